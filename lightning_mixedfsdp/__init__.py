@@ -1,0 +1,32 @@
+"""Mixed-dtype FSDP2 for Lightning: ``Fabric(strategy="mixed_fsdp2")``."""
+
+from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
+from lightning_mixedfsdp.gradients import clip_grad_norm_, total_grad_norm
+from lightning_mixedfsdp.matching import find_keep_fp32_params
+from lightning_mixedfsdp.plan import DtypeKey, ShardGroup, ShardPlan, plan_sharding
+from lightning_mixedfsdp.precision import MixedFSDPPrecision
+
+
+def _register() -> None:
+    # launchers re-import this package in every child process; registration is guarded against doubles
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    MixedFSDP2Strategy.register_strategies(STRATEGY_REGISTRY)
+
+
+_register()
+
+__all__ = [
+    "DtypeKey",
+    "MixedFSDPConfig",
+    "MixedFSDPConfigError",
+    "MixedFSDPPrecision",
+    "ShardGroup",
+    "ShardPlan",
+    "clip_grad_norm_",
+    "find_keep_fp32_params",
+    "plan_sharding",
+    "total_grad_norm",
+]

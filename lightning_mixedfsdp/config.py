@@ -1,0 +1,147 @@
+"""The one configuration object of the strategy: dataclass, dtype resolution and up-front validation."""
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, List, NamedTuple, Optional
+
+import torch
+
+DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "LayerNorm")
+
+_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_STORAGE_CHOICES = ("auto", "keep", *_DTYPE_NAMES)
+_DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
+
+# Lightning precision flag -> (storage, compute) for the non-pinned bulk; None means "as the model arrives"
+_PRECISION_TO_BULK = {
+    "32-true": (None, None),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16),
+}
+SUPPORTED_PRECISIONS = tuple(_PRECISION_TO_BULK)
+
+
+class MixedFSDPConfigError(ValueError):
+    """Raised with every problem of a :class:`MixedFSDPConfig` at once."""
+
+
+@dataclass
+class MixedFSDPConfig:
+    """How ``mixed_fsdp2`` decides dtypes and FSDP groups. Usable as an OmegaConf structured config."""
+
+    storage: str = "auto"
+    """Storage dtype of the non-pinned params: ``"auto"`` (from the Lightning precision flag), ``"keep"`` (as the
+    model arrives, mixed or not), ``"fp32"`` or ``"bf16"``. Pinned (keep-fp32) params are always stored in fp32."""
+
+    compute_dtype: str = "auto"
+    """Dtype the non-pinned params are all-gathered and computed in: ``"auto"`` (bf16 for the bf16 precision flags,
+    each group's own storage dtype for ``"32-true"``), ``"bf16"`` or ``"fp32"``. Pinned params compute in fp32 and
+    their outputs are cast back to this dtype."""
+
+    reduce_dtype: str = "auto"
+    """Dtype of the gradient reduce-scatter of the non-pinned params: ``"auto"`` (the compute dtype, FSDP's default),
+    ``"bf16"`` or ``"fp32"``. Pinned params always reduce in fp32."""
+
+    keep_fp32_modules: List[str] = field(default_factory=lambda: list(DEFAULT_KEEP_FP32_MODULES))
+    """Modules whose params stay fp32. A plain name is a class-name suffix (``"RMSNorm"`` matches ``LlamaRMSNorm``);
+    a dotted name is a qualified class path matched exactly (``"my_pkg.layers.Router"``). Set ``[]`` to pin none."""
+
+    keep_fp32_params: List[str] = field(default_factory=list)
+    """Regular expressions searched in qualified parameter names (``r"\\.A_log$"``); matching params stay fp32."""
+
+    honor_hf_keep_in_fp32: bool = True
+    """Pin the params named by HF ``_keep_in_fp32_modules`` / ``_keep_in_fp32_modules_strict`` of the model and its
+    submodules, also for bf16 (transformers itself applies the non-strict list only for fp16)."""
+
+    wrap_units: Optional[List[str]] = None
+    """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
+    ``_no_split_modules`` when the model declares them, else the children of every ``nn.ModuleList``."""
+
+    reshard_after_forward: bool = True
+    """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""
+
+    replicate_below_bytes: int = 1 << 20
+    """Minority-dtype groups smaller than this (bytes, per FSDP unit) are replicated instead of sharded: a 1 MiB
+    group costs one latency-bound all-gather per use when sharded and ~4 MiB of param+grad+AdamW state per rank when
+    replicated. ``0`` shards every group that a module boundary can separate."""
+
+    print_report: bool = False
+    """Print the dtype report on rank 0 when a model is set up."""
+
+    def validate(self) -> "MixedFSDPConfig":
+        """Raise :class:`MixedFSDPConfigError` listing every problem at once; return ``self`` when valid."""
+        problems = _collect_problems(self)
+        if problems:
+            listed = "\n".join(f"  - {p}" for p in problems)
+            raise MixedFSDPConfigError(f"MixedFSDPConfig has {len(problems)} problem(s):\n{listed}")
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "MixedFSDPConfig":
+        """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise MixedFSDPConfigError(
+                f"MixedFSDPConfig got unknown field(s) {unknown}. Valid fields: {sorted(known)}."
+            )
+        return cls(**kwargs)
+
+
+def _collect_problems(config: MixedFSDPConfig) -> List[str]:
+    problems = []
+    if config.storage not in _STORAGE_CHOICES:
+        problems.append(f"storage={config.storage!r} is not supported; use one of {list(_STORAGE_CHOICES)}.")
+    for name in ("compute_dtype", "reduce_dtype"):
+        value = getattr(config, name)
+        if value not in _DTYPE_CHOICES:
+            problems.append(f"{name}={value!r} is not supported; use one of {list(_DTYPE_CHOICES)}.")
+    for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units"):
+        for index, pattern in enumerate(getattr(config, name) or []):
+            if not isinstance(pattern, str) or not pattern.strip():
+                problems.append(f"{name}[{index}]={pattern!r} is empty; remove it or give a name.")
+    for index, pattern in enumerate(config.keep_fp32_params):
+        if isinstance(pattern, str) and pattern.strip():
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                problems.append(f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it.")
+    if config.wrap_units is not None and len(config.wrap_units) == 0:
+        problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
+    if not isinstance(config.replicate_below_bytes, int) or config.replicate_below_bytes < 0:
+        problems.append(
+            f"replicate_below_bytes={config.replicate_below_bytes!r} must be an int >= 0; use 0 to shard every group."
+        )
+    if _DTYPE_NAMES.get(config.storage) == torch.bfloat16 and _DTYPE_NAMES.get(config.compute_dtype) == torch.float32:
+        problems.append(
+            "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
+            " use storage='fp32' (fp32 master weights) or compute_dtype='bf16'."
+        )
+    return problems
+
+
+class BulkDtypes(NamedTuple):
+    """Resolved dtypes of the non-pinned params; ``None`` means "each param's own dtype"."""
+
+    storage: Optional[torch.dtype]
+    compute: Optional[torch.dtype]
+    reduce: Optional[torch.dtype]
+
+
+def resolve_bulk_dtypes(storage: str, compute_dtype: str, reduce_dtype: str, precision: str) -> BulkDtypes:
+    """Combine the config's dtype fields with the Lightning precision flag; explicit fields win over the flag."""
+    if precision not in _PRECISION_TO_BULK:
+        raise ValueError(
+            f"mixed_fsdp2 does not support precision={precision!r}; use one of {list(SUPPORTED_PRECISIONS)}."
+            " fp16 needs a sharded gradient scaler that FSDP2 does not provide; use 'bf16-mixed' or 'bf16-true'."
+        )
+    flag_storage, flag_compute = _PRECISION_TO_BULK[precision]
+    resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else _DTYPE_NAMES[storage]
+    resolved_compute = flag_compute if compute_dtype == "auto" else _DTYPE_NAMES[compute_dtype]
+    resolved_reduce = resolved_compute if reduce_dtype == "auto" else _DTYPE_NAMES[reduce_dtype]
+    return BulkDtypes(resolved_storage, resolved_compute, resolved_reduce)

@@ -1,0 +1,362 @@
+"""The planner: model + config -> ShardPlan. Pure: reads the model, never changes it, issues no collectives."""
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, BulkDtypes, MixedFSDPConfig, resolve_bulk_dtypes
+from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_keep_fp32_params
+
+ROOT = ""
+
+
+@dataclass(frozen=True)
+class DtypeKey:
+    """What FSDP needs uniform within a group: storage (original), compute (all-gather), reduce and output dtype."""
+
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    output: Optional[torch.dtype] = None
+
+    def __str__(self) -> str:
+        text = f"{_short(self.storage)}/{_short(self.compute)}/{_short(self.reduce)}"
+        return f"{text}->{_short(self.output)}" if self.output is not None else text
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One ``fully_shard`` call (``replicated=False``) or one replicated set of params (``replicated=True``)."""
+
+    name: str
+    unit: str
+    """The wrap unit the group belongs to (``""`` for the root); for replicated groups it swaps in their views."""
+    modules: Tuple[str, ...]
+    """Qualified module names; a sharded group with several is one list-form ``fully_shard([...])``. For a replicated
+    group these are the modules whose inputs/outputs are cast to the key's compute/output dtype (empty when no
+    module boundary separates the params)."""
+    key: DtypeKey
+    params: Tuple[str, ...]
+    replicated: bool = False
+    is_root: bool = False
+    reason: str = ""
+    """Why a group is replicated: ``"inseparable"`` or ``"small"``."""
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    shape: Tuple[int, ...]
+    key: DtypeKey
+    requires_grad: bool
+    group: str
+    replicated: bool
+    rule: Optional[str]
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * self.key.storage.itemsize
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Every parameter's dtypes and group, and the groups in application order (children first, root last)."""
+
+    bulk: BulkDtypes
+    params: Dict[str, ParamPlan]
+    groups: Tuple[ShardGroup, ...]
+    warnings: Tuple[str, ...] = ()
+
+    @property
+    def sharded_groups(self) -> Tuple[ShardGroup, ...]:
+        return tuple(g for g in self.groups if not g.replicated)
+
+    @property
+    def replicated_groups(self) -> Tuple[ShardGroup, ...]:
+        return tuple(g for g in self.groups if g.replicated)
+
+    @property
+    def replicated_params(self) -> Tuple[str, ...]:
+        return tuple(p for g in self.replicated_groups for p in g.params)
+
+    def predicted_collectives(self, reshard_after_forward: bool = True, hsdp: bool = False) -> Dict[str, int]:
+        """Collectives of one forward+backward with gradient sync, once FSDP is lazily initialised.
+
+        The root group is not resharded after forward (FSDP's default), so it all-gathers once per step. HSDP adds
+        one all-reduce per trainable sharded group over the replicate dim. Replicated params add one all-reduce per
+        gradient dtype.
+        """
+        with_params = [g for g in self.sharded_groups if g.params]
+        trainable = [g for g in with_params if any(self.params[p].requires_grad for p in g.params)]
+        non_root = [g for g in with_params if not g.is_root]
+        replicated_dtypes = {
+            self.params[p].key.storage for p in self.replicated_params if self.params[p].requires_grad
+        }
+        all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
+        return {
+            "all_gather": all_gathers,
+            "reduce_scatter": len(trainable),
+            "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
+        }
+
+    def report(self) -> str:
+        """The dtype report: one row per parameter, repeated blocks collapsed to ``layers.*``."""
+        return _format_report(self)
+
+    def __str__(self) -> str:
+        return self.report()
+
+
+def plan_sharding(model: nn.Module, config: MixedFSDPConfig, precision: str = "32-true") -> ShardPlan:
+    """Resolve every parameter's storage/compute/reduce dtype and FSDP group for ``model``."""
+    config.validate()
+    bulk = resolve_bulk_dtypes(config.storage, config.compute_dtype, config.reduce_dtype, precision)
+    pinned = find_keep_fp32_params(
+        model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32
+    )
+    units = find_wrap_units(model, config.wrap_units)
+    return build_plan(model, bulk, pinned, units, config.replicate_below_bytes)
+
+
+def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes) -> DtypeKey:
+    """Precedence: pinned fp32 > the bulk dtypes > the param's own dtype."""
+    if is_pinned:
+        return DtypeKey(torch.float32, torch.float32, torch.float32, output=bulk.compute)
+    storage = bulk.storage if bulk.storage is not None and param.is_floating_point() else param.dtype
+    compute = bulk.compute if bulk.compute is not None and param.is_floating_point() else storage
+    reduce = bulk.reduce if bulk.reduce is not None and param.is_floating_point() else compute
+    return DtypeKey(storage, compute, reduce)
+
+
+def find_wrap_units(model: nn.Module, wrap_units: Optional[Sequence[str]]) -> List[str]:
+    """Qualified names of the FSDP units, children before parents; the root is never a unit here."""
+    if wrap_units:
+        chosen = [n for n, m in model.named_modules() if n and any(class_matches(m, r) for r in wrap_units)]
+    else:
+        no_split = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])}
+        if no_split:
+            chosen = [n for n, m in model.named_modules() if n and type(m).__name__ in no_split]
+        else:
+            chosen = [
+                f"{n}.{child}" if n else child
+                for n, m in model.named_modules()
+                if isinstance(m, nn.ModuleList)
+                for child, _ in m.named_children()
+            ]
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return sorted(set(chosen), key=lambda name: -order[name])
+
+
+def build_plan(
+    model: nn.Module,
+    bulk: BulkDtypes,
+    pinned: PinnedParams,
+    units: Sequence[str],
+    replicate_below_bytes: int,
+) -> ShardPlan:
+    """Group params unit by unit: the majority key owns the unit, each minority key gets one group."""
+    params = dict(model.named_parameters())
+    keys = {name: param_key(p, name in pinned, bulk) for name, p in params.items()}
+    unit_set = set(units)
+    owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
+    module_owner = {name: _owning_unit(name, unit_set) for name, _ in model.named_modules()}
+
+    groups: List[ShardGroup] = []
+    group_of: Dict[str, str] = {}
+    replicated: set = set()
+    for unit in [*units, ROOT]:
+        unit_params = [n for n in params if owner[n] == unit]
+        unit_groups = _plan_unit(unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk)
+        for group in unit_groups:
+            groups.append(group)
+            for name in group.params:
+                group_of[name] = group.name
+                if group.replicated:
+                    replicated.add(name)
+
+    group_by_name = {g.name: g for g in groups}
+    plans = {
+        name: ParamPlan(
+            name=name,
+            shape=tuple(p.shape),
+            key=_effective_key(keys[name], group_by_name[group_of[name]]),
+            requires_grad=p.requires_grad,
+            group=group_of[name],
+            replicated=name in replicated,
+            rule=pinned.rule_of.get(name),
+        )
+        for name, p in params.items()
+    }
+    warnings = _rule_warnings(pinned.unmatched_rules)
+    return ShardPlan(bulk=bulk, params=plans, groups=tuple(groups), warnings=warnings)
+
+
+def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
+    """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
+    defaults = {f"module:{rule}" for rule in DEFAULT_KEEP_FP32_MODULES}
+    warnings = [f"keep-fp32 rule {rule!r} matched no parameter" for rule in unmatched_rules if rule not in defaults]
+    if defaults <= set(unmatched_rules):
+        warnings.append(
+            f"no module class ends with {' or '.join(DEFAULT_KEEP_FP32_MODULES)}: no norm is kept in fp32; if the"
+            " model's norms use another class name, add it to keep_fp32_modules"
+        )
+    return tuple(warnings)
+
+
+def _plan_unit(
+    unit: str,
+    unit_params: List[str],
+    params: Dict[str, nn.Parameter],
+    keys: Dict[str, DtypeKey],
+    module_owner: Dict[str, str],
+    replicate_below_bytes: int,
+    bulk: BulkDtypes,
+) -> List[ShardGroup]:
+    trainable = [n for n in unit_params if params[n].requires_grad]
+    size_by_key: Counter = Counter()
+    for name in trainable:
+        size_by_key[keys[name]] += params[name].numel()
+    # first-seen order breaks ties deterministically
+    majority = max(size_by_key, key=lambda k: size_by_key[k]) if size_by_key else _default_key(unit_params, keys, bulk)
+
+    groups: List[ShardGroup] = []
+    taken: set = set()
+    for key in size_by_key:
+        if key == majority:
+            continue
+        key_params = [n for n in trainable if keys[n] == key]
+        modules = _maximal_uniform_modules(unit, key, trainable, keys, module_owner)
+        covered = [n for n in unit_params if any(_is_inside(n, m) for m in modules)]
+        inseparable = tuple(n for n in key_params if n not in covered)
+        if inseparable:
+            label = f"{unit or '<root>'}:inseparable[{key}]"
+            groups.append(ShardGroup(label, unit, (), key, inseparable, replicated=True, reason="inseparable"))
+            taken.update(inseparable)
+        if modules:
+            name = f"{unit or '<root>'}[{','.join(_relative(m, unit) for m in modules)}]"
+            nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
+            if nbytes < replicate_below_bytes:
+                group_params = tuple(n for n in covered if params[n].requires_grad)
+                groups.append(ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small"))
+            else:
+                group_params = tuple(covered)
+                groups.append(ShardGroup(name, unit, tuple(modules), key, group_params))
+            taken.update(group_params)
+    rest = tuple(n for n in unit_params if n not in taken)
+    if rest or unit == ROOT:
+        groups.append(ShardGroup(unit or "<root>", unit, (unit,), majority, rest, is_root=unit == ROOT))
+    return groups
+
+
+def _maximal_uniform_modules(
+    unit: str, key: DtypeKey, trainable: List[str], keys: Dict[str, DtypeKey], module_owner: Dict[str, str]
+) -> List[str]:
+    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose trainable params all
+    have ``key``."""
+    keys_below: Dict[str, set] = defaultdict(set)
+    for name in trainable:
+        module = _parent(name)
+        while True:
+            keys_below[module].add(keys[name])
+            if module == unit:
+                break
+            module = _parent(module)
+    uniform = {m for m, ks in keys_below.items() if m != unit and ks == {key} and module_owner.get(m) == unit}
+    return sorted(m for m in uniform if _parent(m) not in uniform)
+
+
+def _effective_key(key: DtypeKey, group: ShardGroup) -> DtypeKey:
+    """Frozen params ride with their group, so they all-gather in the group's compute dtype."""
+    if group.replicated or key == group.key:
+        return key
+    return DtypeKey(key.storage, group.key.compute, group.key.reduce, group.key.output)
+
+
+def _default_key(unit_params: List[str], keys: Dict[str, DtypeKey], bulk: BulkDtypes) -> DtypeKey:
+    if unit_params:
+        return Counter(keys[n] for n in unit_params).most_common(1)[0][0]
+    storage = bulk.storage or torch.get_default_dtype()
+    compute = bulk.compute or storage
+    return DtypeKey(storage, compute, bulk.reduce or compute)
+
+
+def _owning_unit(module_name: str, units: set) -> str:
+    parts = module_name.split(".") if module_name else []
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in units:
+            return prefix
+    return ROOT
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _is_inside(param_name: str, module_name: str) -> bool:
+    return param_name.startswith(f"{module_name}.") if module_name else True
+
+
+def _relative(module_name: str, unit: str) -> str:
+    return module_name[len(unit) + 1 :] if unit else module_name
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _short(dtype: Optional[torch.dtype]) -> str:
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+    return names.get(dtype, str(dtype).replace("torch.", "")) if dtype is not None else "-"
+
+
+_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=[.\[:,\]]|$)")
+
+
+def _collapse(name: str) -> str:
+    return _INDEX.sub("*", name)
+
+
+def _format_report(plan: ShardPlan) -> str:
+    rows: Dict[tuple, int] = {}
+    for p in plan.params.values():
+        placement = "replicated" if p.replicated else "sharded"
+        frozen = "" if p.requires_grad else " (frozen)"
+        row = (
+            _collapse(p.name) + frozen,
+            "x".join(map(str, p.shape)) or "scalar",
+            _short(p.key.storage),
+            _short(p.key.compute),
+            _short(p.key.reduce),
+            placement,
+            _collapse(p.group),
+            p.rule or "-",
+        )
+        rows[row] = rows.get(row, 0) + 1
+    header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
+    table = [header] + [(f"{r[0]} x{n}" if n > 1 else r[0], *r[1:]) for r, n in rows.items()]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    sharded, replicated = plan.sharded_groups, plan.replicated_groups
+    total_bytes = sum(p.nbytes for p in plan.params.values())
+    bulk = plan.bulk
+    summary = [
+        f"mixed_fsdp2 dtype plan: {len(plan.params)} params ({total_bytes / 2**20:.2f} MiB),"
+        f" {len(sharded)} sharded groups, {len(replicated)} replicated groups"
+        f" ({sum(plan.params[p].nbytes for p in plan.replicated_params) / 2**10:.1f} KiB replicated)",
+        f"bulk: storage {_short(bulk.storage) if bulk.storage else 'as loaded'},"
+        f" compute {_short(bulk.compute) if bulk.compute else 'own dtype'},"
+        f" reduce {_short(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
+        "collectives per step (predicted): "
+        + ", ".join(f"{k} {v}" for k, v in plan.predicted_collectives().items()),
+    ]
+    warnings = [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(summary + [""] + lines + ([""] + warnings if warnings else []))

@@ -1,0 +1,90 @@
+"""The precision plugin: storage dtypes before sharding, keep-fp32 params pinned, inputs/outputs cast."""
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator, Optional
+
+import torch
+from lightning.fabric.plugins.precision.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig, resolve_bulk_dtypes
+from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_keep_fp32_params
+
+
+class MixedFSDPPrecision(Precision):
+    """Lightning precision flags mapped onto mixed-dtype sharding.
+
+    ``"bf16-mixed"``: fp32 storage, bf16 compute. ``"bf16-true"``: bf16 storage and compute. ``"32-true"``: the model
+    keeps the dtypes it arrives with and each group computes in its own dtype. In every case keep-fp32 params are
+    stored and computed in fp32 (unlike Lightning's own ``bf16-true``, which casts them to bf16), and their outputs
+    are cast back to the compute dtype by the sharding plan.
+    """
+
+    def __init__(self, precision: str = "32-true", config: Optional[MixedFSDPConfig] = None) -> None:
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(
+                f"MixedFSDPPrecision does not support precision={precision!r}; use one of {list(SUPPORTED_PRECISIONS)}."
+                " fp16 would need a sharded gradient scaler; use 'bf16-mixed' or 'bf16-true' instead."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.config = (config or MixedFSDPConfig()).validate()
+        self.bulk = resolve_bulk_dtypes(
+            self.config.storage, self.config.compute_dtype, self.config.reduce_dtype, precision
+        )
+
+    def pinned_params(self, module: nn.Module) -> PinnedParams:
+        c = self.config
+        return find_keep_fp32_params(module, c.keep_fp32_modules, c.keep_fp32_params, c.honor_hf_keep_in_fp32)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast to storage dtypes: pinned params (and buffers of keep-fp32 modules) to fp32, the rest to the bulk
+        storage dtype when there is one. Idempotent."""
+        pinned = self.pinned_params(module)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                target = torch.float32 if name in pinned else self.bulk.storage
+                if target is not None and param.is_floating_point() and param.dtype != target:
+                    param.data = param.data.to(target)
+            for prefix, submodule in module.named_modules():
+                keep_fp32 = any(class_matches(submodule, rule) for rule in self.config.keep_fp32_modules)
+                target = torch.float32 if keep_fp32 else self.bulk.storage
+                for buffer_name, buffer in submodule.named_buffers(recurse=False):
+                    if target is not None and buffer.is_floating_point() and buffer.dtype != target:
+                        submodule._buffers[buffer_name] = buffer.to(target)
+        return module
+
+    @override
+    def forward_context(self) -> ContextManager:
+        # like Lightning's bf16-true: tensors created inside forward default to bf16
+        if self.bulk.storage == torch.bfloat16 and self.bulk.compute == torch.bfloat16:
+            return _default_dtype(torch.bfloat16)
+        return nullcontext()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.bulk.compute is None:
+            return data
+        return apply_to_collection(data, Tensor, _cast_floating, self.bulk.compute)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if self.bulk.compute is None:
+            return data
+        return apply_to_collection(data, Tensor, _cast_floating, torch.get_default_dtype())
+
+
+def _cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,83 @@
+"""Training runs shared by the tests: the same code runs on N ranks (sharded) and in one process (reference)."""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.models import RMSNorm, TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp.replicate import install_cast_hooks
+
+LLAMA = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+BATCH_PER_RANK, SEQ = 2, 16
+
+
+def global_batch(world_size: int, step: int, vocab: int = LLAMA.vocab_size) -> torch.Tensor:
+    """Arithmetic token sequences with random start and stride: learnable, so the loss must fall."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    rows = BATCH_PER_RANK * world_size
+    start = torch.randint(0, vocab, (rows, 1), generator=generator)
+    stride = torch.randint(1, 4, (rows, 1), generator=generator)
+    return (start + stride * torch.arange(SEQ)) % vocab
+
+
+def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return batch.chunk(world_size)[rank]
+
+
+def reference_model(
+    config: TinyLlamaConfig, precision: str, keep_fp32_params: Optional[List[str]] = None, seed: int = 0
+) -> nn.Module:
+    """One process, the dtypes the plan gives: storage per precision, norms (and matched params) in fp32, norm
+    inputs cast to fp32 and outputs to the compute dtype, like the FSDP groups do."""
+    from lightning_mixedfsdp import MixedFSDPConfig
+
+    torch.manual_seed(seed)
+    model = TinyLlama(config)
+    plugin = MixedFSDPPrecision(precision, MixedFSDPConfig(keep_fp32_params=keep_fp32_params or []))
+    plugin.convert_module(model)
+    compute = plugin.bulk.compute
+    if compute is not None:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                install_cast_hooks(module, torch.float32, compute)
+        model.register_forward_pre_hook(lambda _m, args: tuple(a for a in args))
+    return model
+
+
+def train_reference(model: nn.Module, world_size: int, steps: int, lr: float = 1e-2) -> List[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tokens = global_batch(world_size, step)
+        loss = causal_lm_loss(model(tokens), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every param as a full plain tensor (gathers DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def describe_params(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = {
+            "dtype": p.dtype,
+            "dtensor": isinstance(p, DTensor),
+            "placements": tuple(str(pl) for pl in p.placements) if isinstance(p, DTensor) else None,
+            "grad_dtype": p.grad.dtype if p.grad is not None else None,
+        }
+    return out
