@@ -60,7 +60,8 @@ class MixedFSDPConfig:
 
     wrap_units: Optional[List[str]] = None
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
-    ``_no_split_modules`` when the model declares them, else the children of every ``nn.ModuleList``."""
+    ``_no_split_modules`` when the model declares them, else the children of the outermost ``nn.ModuleList``s
+    (blocks, not the experts inside them)."""
 
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""

@@ -152,29 +152,41 @@ class Issue156784Model(nn.Module):
         return self.out(x)
 
 
-class TinyMoE(nn.Module):
-    """Top-1 routed experts with an fp32 router bias: a rank whose tokens all route elsewhere leaves an expert
-    without grads there."""
+class MoEBlock(nn.Module):
+    """Top-1 routed experts beside an fp32-able router bias: when a rank routes no token to an expert, that expert
+    is never called there and its params get no grad on that rank."""
 
-    def __init__(self, dim: int = 16, n_experts: int = 2) -> None:
+    def __init__(self, dim: int, n_experts: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(dim, dim, bias=False)
+        self.proj_in = nn.Linear(dim, 4 * dim, bias=False)
+        self.proj_out = nn.Linear(4 * dim, dim, bias=False)
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts))
         self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n_experts))
 
     def forward(self, x: Tensor, route: Optional[Tensor] = None) -> Tensor:
-        h = self.proj(x)
+        h = self.proj_out(F.silu(self.proj_in(x)))
         scores = self.router(h).float() + self.e_score_correction_bias
         choice = scores.argmax(-1) if route is None else route
         weight = torch.softmax(scores, -1).gather(-1, choice[..., None]).to(h.dtype)
         out = torch.zeros_like(h)
         for index, expert in enumerate(self.experts):
             mask = choice == index
-            # an expert that gets no token is never called: its params get no grad on this rank
             if mask.any():
                 out[mask] = expert(h[mask]).to(out.dtype)
-        return (out * weight).sum(-1)
+        return out * weight
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, dim: int = 16, n_experts: int = 2, n_layers: int = 1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MoEBlock(dim, n_experts) for _ in range(n_layers))
+        self.head = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: Tensor, route: Optional[Tensor] = None) -> Tensor:
+        for layer in self.layers:
+            x = x + layer(x, route)
+        return self.head(x).squeeze(-1)
 
 
 __all__ = [

@@ -141,14 +141,19 @@ def find_wrap_units(model: nn.Module, wrap_units: Optional[Sequence[str]]) -> Li
         if no_split:
             chosen = [n for n, m in model.named_modules() if n and type(m).__name__ in no_split]
         else:
-            chosen = [
-                f"{n}.{child}" if n else child
-                for n, m in model.named_modules()
-                if isinstance(m, nn.ModuleList)
-                for child, _ in m.named_children()
-            ]
+            chosen = _outermost_module_list_children(model)
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return sorted(set(chosen), key=lambda name: -order[name])
+
+
+def _outermost_module_list_children(model: nn.Module) -> List[str]:
+    """Children of ModuleLists not inside another unit: blocks, not the experts inside a block (an expert that gets
+    no token on one rank must not be its own FSDP group, or that rank skips its collectives)."""
+    chosen: List[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and not any(_is_inside(name, unit) for unit in chosen):
+            chosen.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
+    return chosen
 
 
 def build_plan(
@@ -164,13 +169,16 @@ def build_plan(
     unit_set = set(units)
     owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
     module_owner = {name: _owning_unit(name, unit_set) for name, _ in model.named_modules()}
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
 
     groups: List[ShardGroup] = []
     group_of: Dict[str, str] = {}
     replicated: set = set()
     for unit in [*units, ROOT]:
         unit_params = [n for n in params if owner[n] == unit]
-        unit_groups = _plan_unit(unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk)
+        unit_groups = _plan_unit(
+            unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk, containers
+        )
         for group in unit_groups:
             groups.append(group)
             for name in group.params:
@@ -215,6 +223,7 @@ def _plan_unit(
     module_owner: Dict[str, str],
     replicate_below_bytes: int,
     bulk: BulkDtypes,
+    containers: set,
 ) -> List[ShardGroup]:
     trainable = [n for n in unit_params if params[n].requires_grad]
     size_by_key: Counter = Counter()
@@ -229,7 +238,7 @@ def _plan_unit(
         if key == majority:
             continue
         key_params = [n for n in trainable if keys[n] == key]
-        modules = _maximal_uniform_modules(unit, key, trainable, keys, module_owner)
+        modules = _maximal_uniform_modules(unit, key, trainable, keys, module_owner, containers)
         covered = [n for n in unit_params if any(_is_inside(n, m) for m in modules)]
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
@@ -253,7 +262,12 @@ def _plan_unit(
 
 
 def _maximal_uniform_modules(
-    unit: str, key: DtypeKey, trainable: List[str], keys: Dict[str, DtypeKey], module_owner: Dict[str, str]
+    unit: str,
+    key: DtypeKey,
+    trainable: List[str],
+    keys: Dict[str, DtypeKey],
+    module_owner: Dict[str, str],
+    containers: set,
 ) -> List[str]:
     """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose trainable params all
     have ``key``."""
@@ -265,8 +279,22 @@ def _maximal_uniform_modules(
             if module == unit:
                 break
             module = _parent(module)
-    uniform = {m for m, ks in keys_below.items() if m != unit and ks == {key} and module_owner.get(m) == unit}
-    return sorted(m for m in uniform if _parent(m) not in uniform)
+    # containers (ModuleList/ModuleDict) are never called, so hooks on them would never fire: use their children
+    uniform = {
+        m
+        for m, ks in keys_below.items()
+        if m != unit and ks == {key} and module_owner.get(m) == unit and m not in containers
+    }
+    return sorted(m for m in uniform if not _has_uniform_ancestor(m, uniform, unit))
+
+
+def _has_uniform_ancestor(module: str, uniform: set, unit: str) -> bool:
+    parent = _parent(module)
+    while parent != unit and parent:
+        if parent in uniform:
+            return True
+        parent = _parent(parent)
+    return False
 
 
 def _effective_key(key: DtypeKey, group: ShardGroup) -> DtypeKey:

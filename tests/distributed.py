@@ -8,7 +8,9 @@ run in the parent on the returned results, so a crashed rank can never pass.
 import multiprocessing
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -27,16 +29,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     for process in processes:
         process.start()
     results: dict = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
             try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except Exception:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
                 missing = sorted(set(range(world_size)) - set(results))
-                raise AssertionError(
-                    f"{fn.__name__}: ranks {missing} did not finish within {timeout}s (hang or crash);"
-                    f" exit codes {[p.exitcode for p in processes]}"
-                ) from None
+                dead = [r for r in missing if processes[r].exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    reason = f"died with exit codes {[processes[r].exitcode for r in dead]}" if dead else "hung"
+                    raise AssertionError(
+                        f"{fn.__name__}: ranks {missing} did not report within {timeout}s ({reason})"
+                    ) from None
+                continue
             if status == "error":
                 raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{payload}")
             results[rank] = pickle.loads(payload)

@@ -59,10 +59,16 @@ def train_reference(model: nn.Module, world_size: int, steps: int, lr: float = 1
     return losses
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside Fabric's wrapper, so names carry no ``_forward_module.`` prefix."""
+    return getattr(model, "_forward_module", model)
+
+
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every param as a full plain tensor (gathers DTensors)."""
     from torch.distributed.tensor import DTensor
 
+    model = unwrap(model)
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
@@ -72,12 +78,57 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
 def describe_params(model: nn.Module) -> Dict[str, Dict[str, Any]]:
     from torch.distributed.tensor import DTensor
 
+    model = unwrap(model)
     out = {}
     for name, p in model.named_parameters():
         out[name] = {
             "dtype": p.dtype,
             "dtensor": isinstance(p, DTensor),
-            "placements": tuple(str(pl) for pl in p.placements) if isinstance(p, DTensor) else None,
+            "placements": tuple(repr(pl) for pl in p.placements) if isinstance(p, DTensor) else None,
             "grad_dtype": p.grad.dtype if p.grad is not None else None,
         }
     return out
+
+
+MIXER = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64, mixer_layers=(0, 1))
+A_LOG = [r"A_log$"]
+
+
+def make_fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> Any:
+    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    model = unwrap(model)
+    return {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().float().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def grad_norm_of(grads: Dict[str, torch.Tensor]) -> float:
+    return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads.values()])).item()
+
+
+def mixer_grad_reference(world_size: int, step: int = 0) -> Dict[str, torch.Tensor]:
+    """Single-process grads of the mixer model on the whole global batch, same dtypes as the plan."""
+    model = reference_model(MIXER, "bf16-true", A_LOG)
+    tokens = global_batch(world_size, step)
+    causal_lm_loss(model(tokens), tokens).backward()
+    return {name: p.grad.float().clone() for name, p in model.named_parameters()}
+
+
+def moe_inputs(rank: int, dim: int = 16) -> Dict[str, torch.Tensor]:
+    """Rank 0 routes every token to expert 0, so expert 1 gets no grad there; rank 1 uses both experts."""
+    generator = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(2, 6, dim, generator=generator)
+    route = torch.zeros(2, 6, dtype=torch.long) if rank == 0 else torch.arange(12).view(2, 6) % 2
+    return {"x": x, "route": route}
