@@ -5,6 +5,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
+from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from tests.distributed import run_distributed
 from tests.scenarios import (
     LLAMA,
@@ -67,8 +68,84 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
     }
 
 
+def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> Dict[str, int]:
+    """Collectives of one forward+backward after a warm-up step (FSDP initialises lazily)."""
+    from lightning_mixedfsdp.diagnostics import count_collectives
+    from lightning_mixedfsdp.models import causal_lm_loss
+
+    for step in range(2):
+        tokens = rank_slice(global_batch(world_size, step), rank, world_size)
+        with count_collectives() as counts:
+            loss = causal_lm_loss(model(tokens), tokens)
+            fabric.backward(loss) if fabric is not None else loss.backward()
+    return counts.by_kind()
+
+
+def _shard_each_norm_separately(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """What most projects hand-write today: one fully_shard per norm with an fp32 policy, then each block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from lightning_mixedfsdp.models import RMSNorm
+
+    norm_policy = MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=torch.bfloat16)
+    for block in [*model.layers, model]:
+        for module in block.modules():
+            if isinstance(module, RMSNorm) and (block is not model or module is model.norm):
+                fully_shard(module, mesh=mesh, mp_policy=norm_policy)
+        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16))
+    return model
+
+
+def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp.models import TinyLlama
+
+    out: Dict[str, Any] = {}
+    variants = {"uniform_bf16": dict(keep_fp32_modules=[]), "grouped_sharded": dict(replicate_below_bytes=0)}
+    for name, fields in variants.items():
+        fabric = _fabric(world_size, "bf16-true", MixedFSDP2Strategy(**fields))
+        torch.manual_seed(0)
+        model = fabric.setup(TinyLlama(LLAMA))
+        out[name] = _steady_step_counts(fabric, model, rank, world_size)
+        out[f"{name}_predicted"] = fabric.strategy.plan_of(model).predicted_collectives()
+
+    torch.manual_seed(0)
+    baseline = TinyLlama(LLAMA)
+    MixedFSDPPrecision("bf16-true").convert_module(baseline)
+    _shard_each_norm_separately(baseline, fabric.strategy.meshes.fsdp)
+    out["per_norm"] = _steady_step_counts(None, baseline, rank, world_size)
+    return out
+
+
+def _train_issue_156784(rank: int, world_size: int, strategy: Any) -> Dict[str, Any]:
+    from lightning_mixedfsdp.models import Issue156784Model
+
+    fabric = _fabric(world_size, "32-true", strategy)
+    torch.manual_seed(0)
+    model = fabric.setup(Issue156784Model())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(8 * world_size, 32, generator=generator)
+    y = x[:, :4].sum(-1, keepdim=True)
+    x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    losses = []
+    for _ in range(STEPS):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": describe_params(model), "after": full_params(model)}
+
+
 def _core_scenarios(rank: int, world_size: int) -> Dict[str, Any]:
-    return {precision: _train_llama(rank, world_size, precision) for precision in ("bf16-true", "32-true")}
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    results: Dict[str, Any] = {p: _train_llama(rank, world_size, p) for p in ("bf16-true", "32-true")}
+    results["collectives"] = _collective_comparison(rank, world_size)
+    results["issue_156784"] = _train_issue_156784(rank, world_size, "mixed_fsdp2")
+    results["issue_156784_sharded"] = _train_issue_156784(rank, world_size, MixedFSDP2Strategy(replicate_below_bytes=0))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +197,32 @@ def test_collectives_per_step_equal_the_plan(core_results: list) -> None:
     for precision in ("bf16-true", "32-true"):
         result = core_results[0][precision]
         assert result["counted"] == {k: v for k, v in result["predicted"].items() if v}, result["report"]
+
+
+def test_small_fp32_norms_add_no_all_gather_and_one_all_reduce_over_uniform_bf16(core_results: list) -> None:
+    mixed = core_results[0]["bf16-true"]["counted"]
+    uniform = core_results[0]["collectives"]["uniform_bf16"]
+    assert mixed["all_gather"] == uniform["all_gather"]
+    assert mixed["reduce_scatter"] == uniform["reduce_scatter"]
+    assert mixed.get("all_reduce", 0) - uniform.get("all_reduce", 0) == 1
+
+
+def test_grouped_norms_need_fewer_collectives_than_one_fully_shard_per_norm(core_results: list) -> None:
+    counts = core_results[0]["collectives"]
+    grouped, per_norm = counts["grouped_sharded"], counts["per_norm"]
+    assert grouped == {k: v for k, v in counts["grouped_sharded_predicted"].items() if v}
+    layers = LLAMA.n_layers
+    # per norm: 2 norms + block per layer, final norm, root; grouped: 1 norm group + block per layer, same root
+    assert per_norm == {"all_gather": 2 * (3 * layers + 2) - 1, "reduce_scatter": 3 * layers + 2}
+    assert grouped == {"all_gather": 2 * (2 * layers + 2) - 1, "reduce_scatter": 2 * layers + 2}
+
+
+@pytest.mark.parametrize("variant", ["issue_156784", "issue_156784_sharded"])
+def test_issue_156784_model_with_one_bf16_linear_trains_with_the_string_strategy(core_results: list, variant: str) -> None:
+    result = core_results[0][variant]
+    for name, info in result["params"].items():
+        assert info["dtype"] == (torch.bfloat16 if name.startswith("hidden.") else torch.float32), name
+        assert info["dtensor"]
+    assert result["losses"][-1] < result["losses"][0]
+    for name, value in result["after"].items():
+        assert torch.equal(value, core_results[1][variant]["after"][name]), name

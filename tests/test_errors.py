@@ -1,0 +1,124 @@
+"""One test per error message: each names the class, quotes the bad value and gives the fix."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision
+from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+
+
+def test_unknown_storage() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"storage='fp64' is not supported; use one of \['auto', 'keep'"):
+        MixedFSDPConfig(storage="fp64").validate()
+
+
+@pytest.mark.parametrize("field", ["compute_dtype", "reduce_dtype"])
+def test_unknown_dtype(field: str) -> None:
+    with pytest.raises(MixedFSDPConfigError, match=rf"{field}='half' is not supported; use one of \['auto', 'bf16'"):
+        MixedFSDPConfig(**{field: "half"}).validate()
+
+
+@pytest.mark.parametrize("field", ["keep_fp32_modules", "keep_fp32_params", "wrap_units"])
+def test_empty_pattern(field: str) -> None:
+    with pytest.raises(MixedFSDPConfigError, match=rf"{field}\[1\]='  ' is empty; remove it or give a name"):
+        MixedFSDPConfig(**{field: ["Block", "  "]}).validate()
+
+
+def test_bad_regex() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"keep_fp32_params\[0\]='A_log\(' is not a valid regex .*fix or escape"):
+        MixedFSDPConfig(keep_fp32_params=["A_log("]).validate()
+
+
+def test_empty_wrap_units() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"wrap_units=\[\] names no unit; use None for automatic units"):
+        MixedFSDPConfig(wrap_units=[]).validate()
+
+
+def test_negative_replicate_threshold() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"replicate_below_bytes=-1 must be an int >= 0; use 0 to shard"):
+        MixedFSDPConfig(replicate_below_bytes=-1).validate()
+
+
+def test_conflicting_bf16_storage_with_fp32_compute() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"storage='bf16' with compute_dtype='fp32' conflict: .*use storage='fp32'"):
+        MixedFSDPConfig(storage="bf16", compute_dtype="fp32").validate()
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"MixedFSDPConfig has 3 problem\(s\)") as error:
+        MixedFSDPConfig(storage="x", reduce_dtype="y", keep_fp32_params=["("]).validate()
+    assert len(re.findall(r"^  - ", str(error.value), re.MULTILINE)) == 3
+
+
+def test_unknown_field() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"unknown field\(s\) \['keep_fp32_module'\]. Valid fields: "):
+        MixedFSDPConfig.from_kwargs(keep_fp32_module=["RMSNorm"])
+
+
+def test_strategy_rejects_unknown_keyword() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"unknown field\(s\) \['reshard'\]"):
+        MixedFSDP2Strategy(reshard=True)
+
+
+def test_strategy_rejects_a_config_of_the_wrong_type() -> None:
+    with pytest.raises(TypeError, match=r"MixedFSDP2Strategy\(config=42\) must be a MixedFSDPConfig or a mapping"):
+        MixedFSDP2Strategy(42)
+
+
+def test_strategy_accepts_a_mapping_and_keyword_overrides() -> None:
+    strategy = MixedFSDP2Strategy({"keep_fp32_params": ["A_log$"]}, replicate_below_bytes=0, wrap_units="auto")
+    assert strategy.config == MixedFSDPConfig(keep_fp32_params=["A_log$"], replicate_below_bytes=0)
+
+
+def test_strategy_rejects_bad_mesh_sizes() -> None:
+    with pytest.raises(ValueError, match=r"MixedFSDP2Strategy: data_parallel_replicate_size=0 must be an int >= 1"):
+        MixedFSDP2Strategy(data_parallel_replicate_size=0)
+
+
+def test_mesh_sizes_must_multiply_to_the_world_size() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel_replicate_size=2 x data_parallel_size=3 x tensor_parallel_size=1 must equal the world size \(4\)"):
+        build_parallel_meshes("cpu", 2, 3, 1, 4)
+
+
+def test_fp16_precision_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"MixedFSDPPrecision does not support precision='16-true'.*use 'bf16-mixed' or 'bf16-true'"):
+        MixedFSDPPrecision("16-true")
+
+
+def test_fabric_with_fp16_flag_is_refused_by_the_strategy() -> None:
+    from lightning.fabric import Fabric
+
+    import lightning_mixedfsdp  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"MixedFSDP2Strategy does not support the precision plugin HalfPrecision \(precision='16-true'\)"):
+        Fabric(accelerator="cpu", devices=1, strategy="mixed_fsdp2", precision="16-true")
+
+
+def test_fabric_translates_lightning_precision_flags_to_the_mixed_plugin() -> None:
+    from lightning.fabric import Fabric
+
+    import lightning_mixedfsdp  # noqa: F401
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="mixed_fsdp2", precision="bf16-true")
+    plugin = fabric.strategy.precision
+    assert isinstance(plugin, MixedFSDPPrecision) and plugin.precision == "bf16-true"
+    assert (plugin.bulk.storage, plugin.bulk.compute) == (torch.bfloat16, torch.bfloat16)
+
+
+def test_bf16_true_conversion_keeps_norms_and_pinned_params_fp32() -> None:
+    model = nn.Module()
+    model.norm = nn.LayerNorm(4)
+    model.proj = nn.Linear(4, 4)
+    model.A_log = nn.Parameter(torch.randn(4))
+    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=["A_log"])).convert_module(model)
+    assert {n: p.dtype for n, p in model.named_parameters()} == {
+        "A_log": torch.float32,
+        "norm.weight": torch.float32,
+        "norm.bias": torch.float32,
+        "proj.weight": torch.bfloat16,
+        "proj.bias": torch.bfloat16,
+    }
