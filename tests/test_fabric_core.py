@@ -65,6 +65,8 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
         "counted": counted,
         "predicted": plan.predicted_collectives(),
         "report": plan.report(),
+        "sampler": fabric.strategy.distributed_sampler_kwargs,
+        "fsdp_mesh": tuple(fabric.strategy.meshes.fsdp.shape),
     }
 
 
@@ -226,3 +228,9 @@ def test_issue_156784_model_with_one_bf16_linear_trains_with_the_string_strategy
     assert result["losses"][-1] < result["losses"][0]
     for name, value in result["after"].items():
         assert torch.equal(value, core_results[1][variant]["after"][name]), name
+
+
+def test_default_mesh_is_pure_data_parallel_over_all_ranks(core_results: list) -> None:
+    for rank, result in enumerate(core_results):
+        assert result["bf16-true"]["fsdp_mesh"] == (WORLD,)
+        assert result["bf16-true"]["sampler"] == {"num_replicas": WORLD, "rank": rank}

@@ -26,7 +26,7 @@ MICRO_BATCHES = 4
 MOE_KEEP_FP32 = [r"experts\.", "e_score_correction_bias"]
 
 
-def _mixer_training(rank: int, world_size: int) -> Dict[str, Any]:
+def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
     from lightning_mixedfsdp.models import TinyLlama, causal_lm_loss
 
@@ -47,6 +47,23 @@ def _mixer_training(rank: int, world_size: int) -> Dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     out["after"] = full_params(model)
+
+    # the distributed checkpoint sees replicated params as Replicate DTensors like any other
+    fabric.save(checkpoint_dir, {"model": model, "optimizer": optimizer})
+    torch.manual_seed(1)
+    fresh = fabric.setup(TinyLlama(MIXER))
+    fresh_optimizer = fabric.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1e-2, foreach=True))
+    fabric.load(checkpoint_dir, {"model": fresh, "optimizer": fresh_optimizer})
+    out["reloaded"] = full_params(fresh)
+    out["reloaded_params"] = describe_params(fresh)
+    out["reloaded_exp_avg"] = {
+        n: fresh_optimizer.state[p]["exp_avg"].to_local().clone()
+        for n, p in unwrap(fresh).named_parameters()
+        if n.endswith("A_log")
+    }
+    out["exp_avg"] = {
+        n: optimizer.state[p]["exp_avg"].to_local().clone() for n, p in unwrap(model).named_parameters() if n.endswith("A_log")
+    }
     return out
 
 
@@ -116,17 +133,17 @@ def _unused_expert(rank: int, world_size: int) -> Dict[str, Any]:
     }
 
 
-def _scenarios(rank: int, world_size: int) -> Dict[str, Any]:
+def _scenarios(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str, Any]:
     return {
-        "mixer": _mixer_training(rank, world_size),
+        "mixer": _mixer_training(rank, world_size, checkpoint_dir),
         "accumulation": _accumulation_and_clipping(rank, world_size),
         "moe": _unused_expert(rank, world_size),
     }
 
 
 @pytest.fixture(scope="module")
-def results() -> list:
-    return run_distributed(_scenarios, WORLD)
+def results(tmp_path_factory: pytest.TempPathFactory) -> list:
+    return run_distributed(_scenarios, WORLD, str(tmp_path_factory.mktemp("replicated") / "checkpoint"))
 
 
 def test_a_log_is_a_replicated_fp32_dtensor_beside_sharded_bf16_dt_bias(results: list) -> None:
@@ -227,3 +244,14 @@ def _install_expert_casts(model: torch.nn.Module) -> None:
 
     for expert in model.layers[0].experts:
         install_cast_hooks(expert, torch.float32, torch.bfloat16)
+
+
+def test_sharded_checkpoint_round_trips_replicated_params_with_dtypes_and_optimizer_state(results: list) -> None:
+    for result in results:
+        mixer = result["mixer"]
+        for name, value in mixer["after"].items():
+            assert torch.equal(mixer["reloaded"][name], value), name
+            assert mixer["reloaded_params"][name]["dtype"] == mixer["params"][name]["dtype"], name
+            assert mixer["reloaded_params"][name]["placements"] == mixer["params"][name]["placements"], name
+        for name, state in mixer["exp_avg"].items():
+            assert state.dtype == torch.float32 and torch.equal(mixer["reloaded_exp_avg"][name], state), name
