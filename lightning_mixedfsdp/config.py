@@ -71,6 +71,18 @@ class MixedFSDPConfig:
     group costs one latency-bound all-gather per use when sharded and ~4 MiB of param+grad+AdamW state per rank when
     replicated. ``0`` shards every group that a module boundary can separate."""
 
+    pin_frozen_modules: bool = True
+    """Store and compute fully frozen submodules (e.g. a vision tower) in the compute dtype, their floating buffers
+    included, so an fp32 buffer cannot promote bf16 activations back to fp32. Keep-fp32 params stay fp32."""
+
+    check_dtype_leaks: bool = False
+    """On the first forward, warn once listing every module whose floating output is not in the compute dtype."""
+
+    init_meta_params: bool = True
+    """For a model built on the meta device: initialise it on rank 0 (each module's ``reset_parameters``, the values a
+    single process with the same seed gets) and broadcast. ``False`` only allocates the shards, for a load that
+    follows (see ``lightning_mixedfsdp.loading.load_full_weights``)."""
+
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
 

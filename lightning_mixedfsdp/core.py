@@ -12,6 +12,9 @@ from torch import nn
 
 from lightning_mixedfsdp.apply import AppliedPlan, apply_plan, sync_replicas
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig
+from lightning_mixedfsdp.leaks import install_leak_check
+from lightning_mixedfsdp.loading import has_meta_tensors, materialize_sharded, meta_template
+from lightning_mixedfsdp.matching import class_matches
 from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.plan import ShardPlan, plan_sharding
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
@@ -76,23 +79,38 @@ class ShardedModules:
         precision: MixedFSDPPrecision,
         meshes: ParallelMeshes,
         device: Any,
-        materialize: Callable[[nn.Module], None],
+        parallelize: Callable[[nn.Module, Any], nn.Module],
     ) -> nn.Module:
+        """Meta template, storage casts, the user's parallelize_fn, then the dtype plan on the data-parallel mesh."""
+        import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
 
+        on_meta = has_meta_tensors(module)
+        # rank 0 alone initialises a meta model, on an unsharded copy in the dtypes it was built with, so values
+        # match a single-process init (random draws depend on the dtype)
+        template = meta_template(module) if on_meta and config.init_meta_params and dist.get_rank() == 0 else None
+        precision.cast_to_storage(module)
+        module = parallelize(module, meshes.root)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(module).__name__}.")
         if any(isinstance(m, FSDPModule) for m in module.modules()):
             rank_zero_info(f"{STRATEGY_NAME}: the model is already sharded by the user; applying no dtype plan.")
-            materialize(module)
+            if on_meta:
+                materialize_sharded(module, None, device, initialise=False)
             return module
-        precision.convert_module(module)
         plan = plan_sharding(module, config, precision=precision.precision)
         for warning in plan.warnings:
             rank_zero_warn(f"{STRATEGY_NAME}: {warning}")
         if config.print_report:
             rank_zero_info(plan.report())
         applied = apply_plan(module, plan, meshes, device, config.reshard_after_forward)
-        materialize(module)
-        sync_replicas(applied, meshes)
+        if on_meta:
+            materialize_sharded(module, template, device, initialise=config.init_meta_params)
+        else:
+            sync_replicas(applied, meshes)
+        if config.check_dtype_leaks and plan.bulk.compute is not None:
+            keep_fp32 = [n for n, m in module.named_modules() if any(class_matches(m, r) for r in config.keep_fp32_modules)]
+            install_leak_check(module, plan.bulk.compute, keep_fp32)
         self._applied[module] = applied
         return module
 

@@ -10,7 +10,6 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -115,11 +114,9 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self._parallelize_fn(module, self.device_mesh)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(module).__name__}.")
-        materialize = lambda m: _materialize_distributed_module(m, self.root_device)  # noqa: E731
-        return self._sharded.shard(module, self._config, self.precision, self.meshes, self.root_device, materialize)
+        return self._sharded.shard(
+            module, self._config, self.precision, self.meshes, self.root_device, self._parallelize_fn
+        )
 
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model returned by ``fabric.setup``)."""

@@ -56,7 +56,7 @@ class ReplicatedGradReducer:
                     param.grad = DTensor.from_local(chunk.clone(), param.device_mesh, param.placements, run_check=False)
 
     def _hook_outputs(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._on_backward_start)
 
@@ -76,15 +76,15 @@ def _queue_after_backward(callback: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def _tensors_in(obj: Any) -> Iterable[Tensor]:
+def tensors_in(obj: Any) -> Iterable[Tensor]:
     if isinstance(obj, Tensor):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors_in(value)
+            yield from tensors_in(value)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _tensors_in(value)
+            yield from tensors_in(value)
 
 
 def _local(tensor: Tensor) -> Tensor:

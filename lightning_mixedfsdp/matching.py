@@ -89,3 +89,20 @@ def _hf_matches(model: nn.Module, attribute: str) -> List[Tuple[str, str]]:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def find_frozen_modules(model: nn.Module) -> List[str]:
+    """Qualified names of the largest submodules whose params are all frozen (``requires_grad=False``)."""
+    frozen: List[str] = []
+    for name, module in model.named_modules():
+        if any(is_within(name, outer) for outer in frozen):
+            continue
+        params = list(module.parameters())
+        if params and not any(p.requires_grad for p in params):
+            frozen.append(name)
+    return frozen
+
+
+def is_within(name: str, outer: str) -> bool:
+    """``name`` (a module or param) is ``outer`` or inside it; ``""`` is the root, which holds everything."""
+    return outer == "" or name == outer or name.startswith(f"{outer}.")

@@ -30,6 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,9 +84,15 @@ class Mixer(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.in_proj = nn.Linear(dim, dim, bias=False)
-        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 16.0, dim)))
-        self.dt_bias = nn.Parameter(torch.full((dim,), -1.0))
+        self.A_log = nn.Parameter(torch.empty(dim))
+        self.dt_bias = nn.Parameter(torch.empty(dim))
         self.out_proj = nn.Linear(dim, dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, self.A_log.numel())))
+            self.dt_bias.fill_(-1.0)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.in_proj(x)

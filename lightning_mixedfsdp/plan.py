@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, BulkDtypes, MixedFSDPConfig, resolve_bulk_dtypes
-from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_keep_fp32_params
+from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_frozen_modules, find_keep_fp32_params, is_within
 
 ROOT = ""
 
@@ -119,13 +119,16 @@ def plan_sharding(model: nn.Module, config: MixedFSDPConfig, precision: str = "3
         model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32
     )
     units = find_wrap_units(model, config.wrap_units)
-    return build_plan(model, bulk, pinned, units, config.replicate_below_bytes)
+    frozen = find_frozen_modules(model) if config.pin_frozen_modules else []
+    return build_plan(model, bulk, pinned, units, config.replicate_below_bytes, frozen)
 
 
-def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes) -> DtypeKey:
-    """Precedence: pinned fp32 > the bulk dtypes > the param's own dtype."""
+def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_module: bool = False) -> DtypeKey:
+    """Precedence: pinned fp32 > frozen modules in the compute dtype > the bulk dtypes > the param's own dtype."""
     if is_pinned:
         return DtypeKey(torch.float32, torch.float32, torch.float32, output=bulk.compute)
+    if in_frozen_module and bulk.compute is not None and param.is_floating_point():
+        return DtypeKey(bulk.compute, bulk.compute, bulk.compute)
     storage = bulk.storage if bulk.storage is not None and param.is_floating_point() else param.dtype
     compute = bulk.compute if bulk.compute is not None and param.is_floating_point() else storage
     reduce = bulk.reduce if bulk.reduce is not None and param.is_floating_point() else compute
@@ -151,7 +154,7 @@ def _outermost_module_list_children(model: nn.Module) -> List[str]:
     no token on one rank must not be its own FSDP group, or that rank skips its collectives)."""
     chosen: List[str] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and not any(_is_inside(name, unit) for unit in chosen):
+        if isinstance(module, nn.ModuleList) and not any(is_within(name, unit) for unit in chosen):
             chosen.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
     return chosen
 
@@ -162,10 +165,14 @@ def build_plan(
     pinned: PinnedParams,
     units: Sequence[str],
     replicate_below_bytes: int,
+    frozen_modules: Sequence[str] = (),
 ) -> ShardPlan:
     """Group params unit by unit: the majority key owns the unit, each minority key gets one group."""
     params = dict(model.named_parameters())
-    keys = {name: param_key(p, name in pinned, bulk) for name, p in params.items()}
+    keys = {
+        name: param_key(p, name in pinned, bulk, any(is_within(name, m) for m in frozen_modules))
+        for name, p in params.items()
+    }
     unit_set = set(units)
     owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
     module_owner = {name: _owning_unit(name, unit_set) for name, _ in model.named_modules()}
@@ -177,7 +184,7 @@ def build_plan(
     for unit in [*units, ROOT]:
         unit_params = [n for n in params if owner[n] == unit]
         unit_groups = _plan_unit(
-            unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk, containers
+            unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk, containers, pinned
         )
         for group in unit_groups:
             groups.append(group)
@@ -224,11 +231,17 @@ def _plan_unit(
     replicate_below_bytes: int,
     bulk: BulkDtypes,
     containers: set,
+    pinned: PinnedParams,
 ) -> List[ShardGroup]:
-    trainable = [n for n in unit_params if params[n].requires_grad]
+    # trainable params decide groups; frozen pinned params too, so a frozen norm still computes in fp32
+    keyed = [n for n in unit_params if params[n].requires_grad or n in pinned]
+    trainable = [n for n in keyed if params[n].requires_grad]
     size_by_key: Counter = Counter()
-    for name in trainable:
+    # a fully frozen unit (a tower) is owned by the dtype most of its params have
+    for name in trainable or unit_params:
         size_by_key[keys[name]] += params[name].numel()
+    for name in keyed:
+        size_by_key.setdefault(keys[name], 0)
     # first-seen order breaks ties deterministically
     majority = max(size_by_key, key=lambda k: size_by_key[k]) if size_by_key else _default_key(unit_params, keys, bulk)
 
@@ -237,9 +250,9 @@ def _plan_unit(
     for key in size_by_key:
         if key == majority:
             continue
-        key_params = [n for n in trainable if keys[n] == key]
-        modules = _maximal_uniform_modules(unit, key, trainable, keys, module_owner, containers)
-        covered = [n for n in unit_params if any(_is_inside(n, m) for m in modules)]
+        key_params = [n for n in keyed if keys[n] == key]
+        modules = _maximal_uniform_modules(unit, key, keyed, keys, module_owner, containers)
+        covered = [n for n in unit_params if any(is_within(n, m) for m in modules)]
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
             label = f"{unit or '<root>'}:inseparable[{key}]"
@@ -249,7 +262,7 @@ def _plan_unit(
             name = f"{unit or '<root>'}[{','.join(_relative(m, unit) for m in modules)}]"
             nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
             if nbytes < replicate_below_bytes:
-                group_params = tuple(n for n in covered if params[n].requires_grad)
+                group_params = tuple(n for n in covered if n in keyed)
                 groups.append(ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small"))
             else:
                 group_params = tuple(covered)
@@ -264,15 +277,15 @@ def _plan_unit(
 def _maximal_uniform_modules(
     unit: str,
     key: DtypeKey,
-    trainable: List[str],
+    keyed: List[str],
     keys: Dict[str, DtypeKey],
     module_owner: Dict[str, str],
     containers: set,
 ) -> List[str]:
-    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose trainable params all
-    have ``key``."""
+    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose keyed params (trainable
+    or pinned) all have ``key``."""
     keys_below: Dict[str, set] = defaultdict(set)
-    for name in trainable:
+    for name in keyed:
         module = _parent(name)
         while True:
             keys_below[module].add(keys[name])
@@ -323,10 +336,6 @@ def _owning_unit(module_name: str, units: set) -> str:
 
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
-
-
-def _is_inside(param_name: str, module_name: str) -> bool:
-    return param_name.startswith(f"{module_name}.") if module_name else True
 
 
 def _relative(module_name: str, unit: str) -> str:

@@ -1,7 +1,7 @@
 """The precision plugin: storage dtypes before sharding, keep-fp32 params pinned, inputs/outputs cast."""
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
@@ -10,7 +10,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig, resolve_bulk_dtypes
-from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_keep_fp32_params
+from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_frozen_modules, find_keep_fp32_params, is_within
+from lightning_mixedfsdp.plan import param_key
 
 
 class MixedFSDPPrecision(Precision):
@@ -40,21 +41,36 @@ class MixedFSDPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast to storage dtypes: pinned params (and buffers of keep-fp32 modules) to fp32, the rest to the bulk
-        storage dtype when there is one. Idempotent."""
+        """No cast here: Fabric calls this before the strategy sees the model, and the strategy must first copy a meta
+        model in its original dtypes (initialising in bf16 draws other random values than fp32 init then cast). The
+        strategy calls :meth:`cast_to_storage` itself, on Fabric and Trainer alike."""
+        return module
+
+    def cast_to_storage(self, module: nn.Module) -> nn.Module:
+        """Cast to storage dtypes, the same the planner gives: pinned params fp32, fully frozen modules in the compute
+        dtype (buffers too), the rest in the bulk storage dtype when there is one. Idempotent."""
         pinned = self.pinned_params(module)
+        frozen = find_frozen_modules(module) if self.config.pin_frozen_modules else []
+        keep_fp32 = [n for n, m in module.named_modules() if any(class_matches(m, r) for r in self.config.keep_fp32_modules)]
         with torch.no_grad():
             for name, param in module.named_parameters():
-                target = torch.float32 if name in pinned else self.bulk.storage
-                if target is not None and param.is_floating_point() and param.dtype != target:
+                in_frozen = any(is_within(name, f) for f in frozen)
+                target = param_key(param, name in pinned, self.bulk, in_frozen).storage
+                if param.dtype != target:
                     param.data = param.data.to(target)
             for prefix, submodule in module.named_modules():
-                keep_fp32 = any(class_matches(submodule, rule) for rule in self.config.keep_fp32_modules)
-                target = torch.float32 if keep_fp32 else self.bulk.storage
+                target = self._buffer_dtype(prefix, keep_fp32, frozen)
                 for buffer_name, buffer in submodule.named_buffers(recurse=False):
                     if target is not None and buffer.is_floating_point() and buffer.dtype != target:
                         submodule._buffers[buffer_name] = buffer.to(target)
         return module
+
+    def _buffer_dtype(self, module_name: str, keep_fp32: List[str], frozen: List[str]) -> Optional[torch.dtype]:
+        if any(is_within(module_name, k) for k in keep_fp32):
+            return torch.float32
+        if self.bulk.compute is not None and any(is_within(module_name, f) for f in frozen):
+            return self.bulk.compute
+        return self.bulk.storage
 
     @override
     def forward_context(self) -> ContextManager:
@@ -88,3 +104,4 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+

@@ -65,7 +65,8 @@ def _to_replicate_dtensor(
     owner_name, _, attribute = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     param = owner._parameters[attribute]
-    local = param.detach().to(device=device, dtype=group.key.storage)
+    # a meta param stays on meta: the strategy allocates and fills it after sharding
+    local = param.detach().to(device=param.device if param.is_meta else device, dtype=group.key.storage)
     replica = nn.Parameter(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
         requires_grad=param.requires_grad,

@@ -36,7 +36,7 @@ def reference_model(
     torch.manual_seed(seed)
     model = TinyLlama(config)
     plugin = MixedFSDPPrecision(precision, MixedFSDPConfig(keep_fp32_params=keep_fp32_params or []))
-    plugin.convert_module(model)
+    plugin.cast_to_storage(model)
     compute = plugin.bulk.compute
     if compute is not None:
         for module in model.modules():
@@ -132,3 +132,52 @@ def moe_inputs(rank: int, dim: int = 16) -> Dict[str, torch.Tensor]:
     x = torch.randn(2, 6, dim, generator=generator)
     route = torch.zeros(2, 6, dtype=torch.long) if rank == 0 else torch.arange(12).view(2, 6) % 2
     return {"x": x, "route": route}
+
+
+class Normalizer(nn.Module):
+    """``(x - std_bias) * std_scale`` with fp32 buffers: left in fp32 it promotes bf16 activations back to fp32."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("std_bias", torch.linspace(-0.5, 0.5, dim))
+        self.register_buffer("std_scale", torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.std_bias) * self.std_scale
+
+
+class FrozenTower(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.normalizer = Normalizer(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalizer(self.norm(self.embed(x)))
+
+
+class Projector(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.proj(x)))
+
+
+class TowerModel(nn.Module):
+    """A frozen (vision-like) tower feeding a trainable bf16 projector; each is an FSDP unit."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.tower = FrozenTower(dim)
+        self.projector = Projector(dim)
+        self.tower.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.tower(x))
+
+
+TOWER_UNITS = ["FrozenTower", "Projector"]

@@ -114,7 +114,7 @@ def test_bf16_true_conversion_keeps_norms_and_pinned_params_fp32() -> None:
     model.norm = nn.LayerNorm(4)
     model.proj = nn.Linear(4, 4)
     model.A_log = nn.Parameter(torch.randn(4))
-    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=["A_log"])).convert_module(model)
+    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=["A_log"])).cast_to_storage(model)
     assert {n: p.dtype for n, p in model.named_parameters()} == {
         "A_log": torch.float32,
         "norm.weight": torch.float32,

@@ -113,7 +113,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
 
     torch.manual_seed(0)
     baseline = TinyLlama(LLAMA)
-    MixedFSDPPrecision("bf16-true").convert_module(baseline)
+    MixedFSDPPrecision("bf16-true").cast_to_storage(baseline)
     _shard_each_norm_separately(baseline, fabric.strategy.meshes.fsdp)
     out["per_norm"] = _steady_step_counts(None, baseline, rank, world_size)
     return out

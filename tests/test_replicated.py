@@ -227,7 +227,7 @@ def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing
     # expert 1 only ran on rank 1: its averaged grad is rank 1's grad / 2 (before clipping, which scales both)
     torch.manual_seed(0)
     reference = TinyMoE()
-    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=MOE_KEEP_FP32)).convert_module(reference)
+    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=MOE_KEEP_FP32)).cast_to_storage(reference)
     _install_expert_casts(reference)
     inputs = moe_inputs(1)
     reference(inputs["x"].bfloat16(), route=inputs["route"]).float().pow(2).mean().backward()

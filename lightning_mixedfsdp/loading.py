@@ -1,0 +1,146 @@
+"""Loading weights without losing a dtype: dtype-aware casting, rank-0-only reads, meta-device materialization."""
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Collection, Dict, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.matching import find_keep_fp32_params
+
+PathLike = Union[str, Path]
+
+
+def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
+    """A flat tensor dict from a ``.safetensors`` file or a torch file (memory-mapped, weights only)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(
+            f"read_state_dict: {str(path)!r} does not hold a flat name -> tensor dict; for a Fabric checkpoint pass"
+            " its 'model' entry, e.g. torch.save(torch.load(path)['model'], 'weights.pt')."
+        )
+    return state
+
+
+def dtype_aware(state_dict: Dict[str, Tensor], pinned: Collection[str], requested: torch.dtype) -> Dict[str, Tensor]:
+    """Cast to ``requested``; pinned entries get the promotion of their checkpoint dtype with the request, so an
+    fp32 ``A_log`` stays fp32 in a bf16 load and an explicit fp32 request makes everything fp32."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if not tensor.is_floating_point():
+            out[name] = tensor
+            continue
+        target = torch.promote_types(tensor.dtype, requested) if name in pinned else requested
+        out[name] = tensor.to(target)
+    return out
+
+
+def load_weights(
+    model: nn.Module, source: Union[PathLike, Dict[str, Tensor]], dtype: torch.dtype, config: Optional[MixedFSDPConfig] = None
+) -> nn.Module:
+    """Load into an unsharded model (meta or not), dtype-aware; the model's params take the loaded dtypes."""
+    config = config or MixedFSDPConfig()
+    state = read_state_dict(source) if isinstance(source, (str, Path)) else source
+    pinned = find_keep_fp32_params(
+        model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32
+    )
+    model.load_state_dict(dtype_aware(state, pinned.rule_of, dtype), strict=True, assign=True)
+    return model
+
+
+def load_full_weights(model: nn.Module, path: PathLike, strict: bool = True) -> None:
+    """Load a full checkpoint into a sharded model: only rank 0 reads ``path``.
+
+    Every tensor is cast on rank 0 to the dtype the plan gave the matching param or buffer, and the names, shapes
+    and dtypes are agreed with every rank before any tensor moves, so no rank waits on a mismatched collective.
+    """
+    import torch.distributed as dist
+
+    model = getattr(model, "_forward_module", model)
+    state: Optional[Dict[str, Tensor]] = read_state_dict(path) if dist.get_rank() == 0 else None
+    broadcast_full_state(model, state, strict=strict)
+
+
+def broadcast_full_state(model: nn.Module, full_state: Optional[Dict[str, Tensor]], strict: bool = True) -> None:
+    """Rank 0 holds ``full_state`` (others pass None); shards, replicas and persistent buffers are filled from it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    local = model.state_dict()
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
+    problems = [None]
+    if full_state is not None:
+        full_state = {k: v.to(expected[k][1]) if k in expected and v.is_floating_point() else v for k, v in full_state.items()}
+        problems = [_mismatches(expected, {k: (tuple(v.shape), v.dtype) for k, v in full_state.items()}, strict)]
+    dist.broadcast_object_list(problems, src=0)
+    if problems[0]:
+        raise ValueError(f"load_full_weights: the checkpoint does not fit the model: {problems[0]}")
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    set_model_state_dict(model, full_state if full_state is not None else {}, options=options)
+
+
+def _mismatches(expected: Dict[str, Any], found: Dict[str, Any], strict: bool) -> str:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(found) if expected[k][0] != found[k][0])
+    problems = []
+    if missing and strict:
+        problems.append(f"missing keys {missing[:8]}{'...' if len(missing) > 8 else ''} (pass strict=False to skip)")
+    if unexpected and strict:
+        problems.append(f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    if wrong:
+        problems.append("shape mismatch for " + ", ".join(f"{k}: {found[k][0]} vs {expected[k][0]}" for k in wrong[:8]))
+    return "; ".join(problems)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """Materialize a meta module on one process: allocate, then each module's ``reset_parameters`` in module order.
+
+    This is the reference a sharded meta init reproduces: rank 0 runs exactly this on an unsharded copy.
+    """
+    module.to_empty(device=device)
+    uninitialised = []
+    with torch.no_grad():
+        for name, submodule in module.named_modules():
+            reset = getattr(submodule, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif any(True for _ in submodule.parameters(recurse=False)) or any(True for _ in submodule.buffers(recurse=False)):
+                uninitialised.append(f"{name or '<root>'} ({type(submodule).__name__})")
+    if uninitialised:
+        warnings.warn(
+            f"init_meta_module_: {len(uninitialised)} module(s) hold params or buffers but define no"
+            f" reset_parameters(), so they keep uninitialised memory: {', '.join(uninitialised[:10])}."
+            " Give them a reset_parameters() or load weights after setup (init_meta_params=False).",
+            stacklevel=2,
+        )
+    return module
+
+
+def materialize_sharded(sharded: nn.Module, template: Optional[nn.Module], device: torch.device, initialise: bool) -> None:
+    """Allocate the local shards of a model sharded on meta. With ``initialise``, rank 0 (the only one passing the
+    unsharded meta ``template``) initialises it with single-process values and broadcasts them into the shards."""
+    sharded.to_empty(device=device)
+    if not initialise:
+        return
+    import torch.distributed as dist
+
+    full_state = init_meta_module_(template).state_dict() if dist.get_rank() == 0 else None
+    broadcast_full_state(sharded, full_state)
+
+
+def meta_template(module: nn.Module) -> nn.Module:
+    """An unsharded copy of a meta module (cheap: meta tensors hold no data)."""
+    return copy.deepcopy(module)
