@@ -1,8 +1,10 @@
 """``Fabric(strategy="mixed_fsdp2")``: Lightning's ModelParallelStrategy with dtype-grouped FSDP2."""
 
+import uuid
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
@@ -14,6 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mixedfsdp.checkpoint import commit, export_model, is_sharded_checkpoint, recover, temp_sibling
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.core import (
     STRATEGY_NAME,
@@ -117,6 +120,54 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
         return self._sharded.shard(
             module, self._config, self.precision, self.meshes, self.root_device, self._parallelize_fn
         )
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: Dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Lightning's save (a DCP folder, or one file with ``save_distributed_checkpoint=False``), written beside
+        ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact."""
+        path = Path(self.broadcast(path))
+        if path.is_dir() and not self._save_distributed_checkpoint and not is_sharded_checkpoint(path):
+            raise IsADirectoryError(
+                f"{type(self).__name__}: the checkpoint path {str(path)!r} is a directory that is not a checkpoint;"
+                " choose a file path for a full checkpoint."
+            )
+        token = self.broadcast(uuid.uuid4().hex[:12])
+        temp = temp_sibling(path, token)
+        super().save_checkpoint(temp, state, storage_options=storage_options, filter=filter)
+        self.barrier()
+        if self.global_rank == 0:
+            commit(temp, path, token)
+        self.barrier()
+
+    @override
+    def load_checkpoint(
+        self, path: Any, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
+    ) -> Dict[str, Any]:
+        path = Path(self.broadcast(path))
+        if self.global_rank == 0:
+            recover(path)
+        self.barrier()
+        return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+
+    def export_safetensors(
+        self,
+        module: nn.Module,
+        directory: Any,
+        dtype: torch.dtype = torch.bfloat16,
+        keep_fp32_patterns: Optional[Sequence[str]] = None,
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> Optional[List[Path]]:
+        """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the plan's keep-fp32 params (or
+        names matching ``keep_fp32_patterns``) stay fp32. Every rank calls it; rank 0 writes."""
+        plan = self.plan_of(module)
+        keep = [name for name, p in plan.params.items() if p.rule is not None]
+        return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
 
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model returned by ``fabric.setup``)."""

@@ -15,8 +15,11 @@ PathLike = Union[str, Path]
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
-    """A flat tensor dict from a ``.safetensors`` file or a torch file (memory-mapped, weights only)."""
+    """A flat tensor dict from a ``.safetensors`` file, an HF export folder (single file or sharded with an index),
+    or a torch file (memory-mapped, weights only)."""
     path = Path(path)
+    if path.is_dir():
+        return _read_export_folder(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -27,6 +30,27 @@ def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
             f"read_state_dict: {str(path)!r} does not hold a flat name -> tensor dict; for a Fabric checkpoint pass"
             " its 'model' entry, e.g. torch.save(torch.load(path)['model'], 'weights.pt')."
         )
+    return state
+
+
+def _read_export_folder(folder: Path) -> Dict[str, Tensor]:
+    import json
+
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"read_state_dict: {str(folder)!r} has neither model.safetensors nor model.safetensors.index.json;"
+            " pass the weights file itself."
+        )
+    state: Dict[str, Tensor] = {}
+    for name in files:
+        state.update(load_file(str(folder / name)))
     return state
 
 

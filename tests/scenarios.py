@@ -181,3 +181,36 @@ class TowerModel(nn.Module):
 
 
 TOWER_UNITS = ["FrozenTower", "Projector"]
+
+
+class BufferedLlama(TinyLlama):
+    """The mixer model plus a persistent buffer, so checkpoints carry params, buffers and optimizer states."""
+
+    def __init__(self, config: TinyLlamaConfig) -> None:
+        super().__init__(config)
+        self.register_buffer("logit_scale", torch.linspace(0.9, 1.1, config.vocab_size))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(tokens)
+        return logits * self.logit_scale.to(logits.dtype)
+
+
+def snapshot(model: nn.Module, optimizer: Any) -> Dict[str, torch.Tensor]:
+    """Every param, buffer and optimizer-state tensor as a full tensor (rank 0 holds the optimizer part)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    inner = unwrap(model)
+    out = {f"param/{k}": v for k, v in full_params(inner).items()}
+    out.update({f"buffer/{k}": v.detach().clone() for k, v in inner.named_buffers()})
+    optim = get_optimizer_state_dict(inner, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for fqn, state in optim.get("state", {}).items():
+        for key, value in state.items():
+            out[f"optim/{fqn}/{key}"] = value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return out
+
+
+def assert_same_state(got: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))[:10]
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype, (key, got[key].dtype, value.dtype)
+        assert torch.equal(got[key], value), key

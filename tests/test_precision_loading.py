@@ -89,7 +89,7 @@ def _rank0_load(world_size: int, checkpoint: str) -> Dict[str, Any]:
     return {"values": full_params(model), "params": describe_params(model), "buffers": buffers}
 
 
-def _hf_gpt_oss(world_size: int) -> Dict[str, Any]:
+def _hf_gpt_oss(world_size: int, export_dir: str) -> Dict[str, Any]:
     from transformers import GptOssForCausalLM
 
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
@@ -107,7 +107,13 @@ def _hf_gpt_oss(world_size: int) -> Dict[str, Any]:
         optimizer.zero_grad()
         losses.append(loss.item())
     plan = fabric.strategy.plan_of(model)
-    return {"losses": losses, "params": describe_params(model), "rules": {n: p.rule for n, p in plan.params.items()}}
+    fabric.strategy.export_safetensors(model, export_dir, dtype=torch.bfloat16)
+    return {
+        "losses": losses,
+        "params": describe_params(model),
+        "rules": {n: p.rule for n, p in plan.params.items()},
+        "values": full_params(model),
+    }
 
 
 def tiny_gpt_oss_config() -> Any:
@@ -120,13 +126,13 @@ def tiny_gpt_oss_config() -> Any:
     )
 
 
-def _scenarios(rank: int, world_size: int, checkpoint: str) -> Dict[str, Any]:
+def _scenarios(rank: int, world_size: int, checkpoint: str, export_dir: str) -> Dict[str, Any]:
     return {
         "pinned": _tower_run(world_size, pin=True),
         "unpinned": _tower_run(world_size, pin=False),
         "meta": _meta_init(world_size),
         "rank0_load": _rank0_load(world_size, checkpoint),
-        "hf": _hf_gpt_oss(world_size),
+        "hf": _hf_gpt_oss(world_size, export_dir),
     }
 
 
@@ -145,8 +151,13 @@ def tower_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(tower_checkpoint: Path) -> list:
-    return run_distributed(_scenarios, WORLD, str(tower_checkpoint), timeout=180)
+def hf_export_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("hf_export")
+
+
+@pytest.fixture(scope="module")
+def results(tower_checkpoint: Path, hf_export_dir: Path) -> list:
+    return run_distributed(_scenarios, WORLD, str(tower_checkpoint), str(hf_export_dir), timeout=180)
 
 
 def test_frozen_tower_is_pinned_to_bf16_except_keep_fp32_modules_and_the_projector_gets_bf16(results: list) -> None:
@@ -217,3 +228,19 @@ def test_hf_gpt_oss_keep_in_fp32_modules_are_honoured_under_bf16_and_it_trains(r
         assert info["dtype"] == expected, name
     assert out["rules"]["model.norm.weight"] == "hf:_keep_in_fp32_modules[norm]"
     assert out["losses"][-1] < out["losses"][0]
+
+
+def test_hf_export_loads_with_from_pretrained_without_losing_a_bit(results: list, hf_export_dir: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import GptOssForCausalLM
+
+    exported = load_file(str(hf_export_dir / "model.safetensors"))
+    assert exported["model.norm.weight"].dtype == torch.float32
+    assert exported["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # transformers itself would load the fp32 norms as bf16 under dtype="auto" (it keeps _keep_in_fp32_modules
+    # fp32 only for fp16): load in fp32, which represents both file dtypes exactly
+    loaded = GptOssForCausalLM.from_pretrained(str(hf_export_dir), dtype=torch.float32).state_dict()
+    trained = results[0]["hf"]["values"]
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], exported[name].float()), name
+        assert torch.equal(exported[name], value.to(exported[name].dtype)), name

@@ -1,0 +1,78 @@
+"""Helper for test_checkpoint: save once, then die by SIGKILL in the middle of a second save; or load and compare.
+
+    python tests/kill_during_save.py FOLDER sharded|full save|load
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_batch  # noqa: E402
+
+
+def main() -> None:
+    folder, mode, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    import lightning_mixedfsdp  # noqa: F401
+    from lightning.fabric import Fabric
+
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp.models import causal_lm_loss
+
+    strategy = MixedFSDP2Strategy(keep_fp32_params=A_LOG, save_distributed_checkpoint=mode == "sharded")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup(BufferedLlama(MIXER))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    path = folder / "checkpoint"
+
+    if action == "load":
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+        expected = torch.load(folder / "expected.pt")
+        same = all(torch.equal(v, expected[k]) and v.dtype == expected[k].dtype for k, v in full_params(model).items())
+        print(f"loaded the previous checkpoint: {'equal' if same else 'DIFFERENT'}")
+        return
+
+    def step(index: int) -> None:
+        tokens = global_batch(1, index)
+        fabric.backward(causal_lm_loss(model(tokens), tokens))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    torch.save(full_params(model), folder / "expected.pt")
+    step(1)
+    _die_midway(mode)
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    print("the second save finished: the kill did not happen")
+
+
+def _die_midway(mode: str) -> None:
+    """SIGKILL after part of the checkpoint is on disk: DCP data files but no metadata, or half of the file."""
+    if mode == "sharded":
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        FileSystemWriter.finish = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        return
+    original = torch.save
+
+    def half_then_die(obj, f, *args, **kwargs):  # noqa: ANN001
+        import io
+
+        buffer = io.BytesIO()
+        original(obj, buffer, *args, **kwargs)
+        with open(f, "wb") as handle:
+            handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = half_then_die
+
+
+if __name__ == "__main__":
+    main()
