@@ -1,7 +1,7 @@
 """Train a small Llama-style model with fp32 norms and a bf16 bulk on 2 CPU processes.
 
-    python examples/fabric_quickstart.py            # Fabric launches the 2 processes itself
-    python examples/fabric_quickstart.py --steps 3
+python examples/fabric_quickstart.py            # Fabric launches the 2 processes itself
+python examples/fabric_quickstart.py --steps 3
 """
 
 import argparse
@@ -40,8 +40,8 @@ def main() -> None:
         if step % 5 == 0 or step == args.steps - 1:
             fabric.print(f"step {step:3d}  loss {loss.item():.4f}")
 
-    norm = model.layers[0].ffn_norm.weight
-    fabric.print(f"final loss {loss.item():.4f}; norm weight dtype {norm.dtype}, wq dtype {model.layers[0].attention.wq.weight.dtype}")
+    norm, wq = model.layers[0].ffn_norm.weight, model.layers[0].attention.wq.weight
+    fabric.print(f"final loss {loss.item():.4f}; norm weight dtype {norm.dtype}, wq dtype {wq.dtype}")
 
 
 if __name__ == "__main__":

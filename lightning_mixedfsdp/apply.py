@@ -70,4 +70,6 @@ def apply_fully_shard(
     # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward)
     reshard: Optional[bool] = None if group.is_root and reshard_after_forward else reshard_after_forward
     target = modules[0] if len(modules) == 1 else modules
-    fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group.key), ignored_params=ignored)
+    fully_shard(
+        target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group.key), ignored_params=ignored
+    )

@@ -63,9 +63,7 @@ def export_dtypes(
     """Save dtype per name: fp32 for the keep set (names, or regexes when ``patterns``), ``dtype`` for the rest."""
     compiled = [re.compile(p) for p in keep_fp32] if patterns else []
     keep = set() if patterns else set(keep_fp32)
-    return {
-        name: torch.float32 if name in keep or any(c.search(name) for c in compiled) else dtype for name in names
-    }
+    return {name: torch.float32 if name in keep or any(c.search(name) for c in compiled) else dtype for name in names}
 
 
 def write_safetensors(
@@ -90,7 +88,7 @@ def write_safetensors(
         return [directory / SINGLE_FILE]
     files = [directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for file, shard in zip(files, shards):
+    for file, shard in zip(files, shards, strict=True):
         save_file(shard, str(file), metadata=metadata)
         weight_map.update(dict.fromkeys(shard, file.name))
     total = sum(t.numel() * t.element_size() for t in state.values())

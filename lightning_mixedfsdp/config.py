@@ -123,7 +123,9 @@ def _collect_problems(config: MixedFSDPConfig) -> List[str]:
             try:
                 re.compile(pattern)
             except re.error as err:
-                problems.append(f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it.")
+                problems.append(
+                    f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
+                )
     if config.wrap_units is not None and len(config.wrap_units) == 0:
         problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
     if not isinstance(config.replicate_below_bytes, int) or config.replicate_below_bytes < 0:

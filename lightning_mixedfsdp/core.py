@@ -1,21 +1,25 @@
 """What the Fabric and Trainer strategies share: config intake, precision translation, sharding a module."""
 
 import logging
-from dataclasses import asdict, replace
-from datetime import timedelta
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+import uuid
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 from weakref import WeakKeyDictionary
 
+import torch
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mixedfsdp.apply import AppliedPlan, apply_plan, sync_replicas
+from lightning_mixedfsdp.checkpoint import commit, export_model, is_sharded_checkpoint, recover, temp_sibling
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig
 from lightning_mixedfsdp.leaks import install_leak_check
 from lightning_mixedfsdp.loading import has_meta_tensors, materialize_sharded, meta_template
 from lightning_mixedfsdp.matching import class_matches
-from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.plan import ShardPlan, plan_sharding
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 
@@ -35,25 +39,33 @@ def make_config(config: ConfigInput, fields: Dict[str, Any], owner: str) -> Mixe
     return MixedFSDPConfig.from_kwargs(**{**base, **fields}).validate()
 
 
-def adopt_precision(plugin: Optional[Precision], config: MixedFSDPConfig, owner: str) -> Optional[Precision]:
-    """Translate Lightning's precision plugins (built from a precision flag) into ours."""
-    if plugin is None or isinstance(plugin, MixedFSDPPrecision):
+def adopt_precision(
+    plugin: Optional[Precision], config: MixedFSDPConfig, owner: str, plugin_class: type = MixedFSDPPrecision
+) -> Optional[Precision]:
+    """Translate Lightning's precision plugins (built from a precision flag) into ours (``plugin_class``)."""
+    if plugin is None or isinstance(plugin, plugin_class):
         return plugin
     flag = getattr(plugin, "precision", None)
-    if type(plugin).__name__ not in ("Precision", "HalfPrecision", "MixedPrecision") or flag not in SUPPORTED_PRECISIONS:
+    if (
+        type(plugin).__name__ not in ("Precision", "HalfPrecision", "MixedPrecision")
+        or flag not in SUPPORTED_PRECISIONS
+    ):
         raise ValueError(
             f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r})."
             f" Use precision= one of {list(SUPPORTED_PRECISIONS)}; fp16 needs a sharded gradient scaler that"
             " FSDP2 does not provide."
         )
-    return MixedFSDPPrecision(flag, config)
+    return plugin_class(flag, config)
 
 
 def validate_mesh_sizes(owner: str, data_parallel_size: Any, replicate_size: Any, tensor_parallel_size: Any) -> None:
     problems = []
     if data_parallel_size != "auto" and not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
         problems.append(f"data_parallel_size={data_parallel_size!r} must be 'auto' or an int >= 1")
-    for name, value in (("data_parallel_replicate_size", replicate_size), ("tensor_parallel_size", tensor_parallel_size)):
+    for name, value in (
+        ("data_parallel_replicate_size", replicate_size),
+        ("tensor_parallel_size", tensor_parallel_size),
+    ):
         if not (isinstance(value, int) and value >= 1):
             problems.append(f"{name}={value!r} must be an int >= 1")
     if problems:
@@ -109,7 +121,9 @@ class ShardedModules:
         else:
             sync_replicas(applied, meshes)
         if config.check_dtype_leaks and plan.bulk.compute is not None:
-            keep_fp32 = [n for n, m in module.named_modules() if any(class_matches(m, r) for r in config.keep_fp32_modules)]
+            keep_fp32 = [
+                n for n, m in module.named_modules() if any(class_matches(m, r) for r in config.keep_fp32_modules)
+            ]
             install_leak_check(module, plan.bulk.compute, keep_fp32)
         self._applied[module] = applied
         return module
@@ -119,6 +133,18 @@ class ShardedModules:
         if module not in self._applied:
             raise KeyError(f"{type(module).__name__} was not set up by the {STRATEGY_NAME} strategy.")
         return self._applied[module].plan
+
+    @contextmanager
+    def no_sync(self, modules: Sequence[nn.Module], enabled: bool = True) -> Iterator[None]:
+        """FSDP groups and replicated params skip their reduction; grads accumulate locally until a syncing
+        backward reduces them once."""
+        for module in modules:
+            self.set_requires_gradient_sync(module, not enabled)
+        try:
+            yield
+        finally:
+            for module in modules:
+                self.set_requires_gradient_sync(module, True)
 
     def set_requires_gradient_sync(self, module: nn.Module, requires_sync: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -131,7 +157,73 @@ class ShardedModules:
             applied.reducer.requires_gradient_sync = requires_sync
 
 
-def default_timeout() -> Optional[timedelta]:
-    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+class MixedFSDP2Mixin:
+    """The parts of the Fabric and Trainer strategies that are the same: meshes, sampler, atomic checkpoints, plans
+    and export. Mixed in before Lightning's ModelParallelStrategy of either package."""
 
-    return default_pg_timeout
+    _config: MixedFSDPConfig
+    _meshes: Optional[ParallelMeshes]
+    _sharded: ShardedModules
+    _replicate_size: int
+
+    @property
+    def config(self) -> MixedFSDPConfig:
+        return self._config
+
+    @property
+    def meshes(self) -> ParallelMeshes:
+        if self._meshes is None:
+            raise RuntimeError(f"{type(self).__name__}: the device meshes exist only once the processes are launched.")
+        return self._meshes
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        mesh = self.meshes.data_parallel
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    def _build_meshes(self) -> ParallelMeshes:
+        shard = shard_size(self._data_parallel_size, self._replicate_size, self._tensor_parallel_size, self.world_size)
+        self._data_parallel_size = shard
+        self._meshes = build_parallel_meshes(
+            self.root_device.type, self._replicate_size, shard, self._tensor_parallel_size, self.world_size
+        )
+        self._device_mesh = self._meshes.root
+        return self._meshes
+
+    def plan_of(self, module: nn.Module) -> ShardPlan:
+        """The dtype plan applied to ``module`` (a model set up by this strategy)."""
+        return self._sharded.plan_of(module)
+
+    def export_safetensors(
+        self,
+        module: nn.Module,
+        directory: Any,
+        dtype: torch.dtype = torch.bfloat16,
+        keep_fp32_patterns: Optional[Sequence[str]] = None,
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> Optional[List[Path]]:
+        """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the plan's keep-fp32 params (or
+        names matching ``keep_fp32_patterns``) stay fp32. Every rank calls it; rank 0 writes."""
+        plan = self.plan_of(module)
+        keep = [name for name, p in plan.params.items() if p.rule is not None]
+        return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
+
+    def _save_atomically(self, path: Path, save: Callable[[Path], None]) -> None:
+        """Write with ``save`` beside ``path``, then commit by rename on rank 0: a kill leaves a complete checkpoint."""
+        if path.is_dir() and not self._save_distributed_checkpoint and not is_sharded_checkpoint(path):
+            raise IsADirectoryError(
+                f"{type(self).__name__}: the checkpoint path {str(path)!r} is a directory that is not a checkpoint;"
+                " choose a file path for a full checkpoint."
+            )
+        token = self.broadcast(uuid.uuid4().hex[:12])
+        temp = temp_sibling(path, token)
+        save(temp)
+        self.barrier()
+        if self.global_rank == 0:
+            commit(temp, path, token)
+        self.barrier()
+
+    def _recover_before_load(self, path: Path) -> None:
+        if self.global_rank == 0:
+            recover(path)
+        self.barrier()

@@ -1,12 +1,12 @@
 """``Fabric(strategy="mixed_fsdp2")``: Lightning's ModelParallelStrategy with dtype-grouped FSDP2."""
 
-import uuid
-from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Literal, Optional, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Dict, Literal, Optional, Union
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -16,25 +16,21 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mixedfsdp.checkpoint import commit, export_model, is_sharded_checkpoint, recover, temp_sibling
-from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.core import (
     STRATEGY_NAME,
     ConfigInput,
+    MixedFSDP2Mixin,
     ShardedModules,
     adopt_precision,
-    default_timeout,
     make_config,
-    shard_size,
     validate_mesh_sizes,
 )
 from lightning_mixedfsdp.gradients import clip_grad_norm_
-from lightning_mixedfsdp.mesh import ParallelMeshes, build_parallel_meshes
-from lightning_mixedfsdp.plan import ShardPlan
+from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 
 
-class MixedFSDP2Strategy(ModelParallelStrategy):
+class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     """FSDP2 for models whose params mix dtypes: keep-fp32 params stay fp32, no hand-written ``fully_shard``.
 
     Arguments:
@@ -58,7 +54,7 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_timeout(),
+        timeout: Optional[timedelta] = default_pg_timeout,
         **fields: Any,
     ) -> None:
         self._config = make_config(config, fields, type(self).__name__)
@@ -76,16 +72,6 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
         self._sharded = ShardedModules()
         self._backward_sync_control = _MixedBackwardSyncControl(self._sharded)
 
-    @property
-    def config(self) -> MixedFSDPConfig:
-        return self._config
-
-    @property
-    def meshes(self) -> ParallelMeshes:
-        if self._meshes is None:
-            raise RuntimeError(f"{type(self).__name__}: the device meshes exist only after `fabric.launch()`.")
-        return self._meshes
-
     @property  # type: ignore[override]
     @override
     def precision(self) -> MixedFSDPPrecision:
@@ -98,22 +84,11 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
         # keep-fp32 params to bf16 before sharding, so translate it
         self._precision = adopt_precision(precision, self._config, type(self).__name__)
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict:
-        mesh = self.meshes.data_parallel
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
-
     @override
     def setup_environment(self) -> None:
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        shard = shard_size(self._data_parallel_size, self._replicate_size, self._tensor_parallel_size, self.world_size)
-        self._data_parallel_size = shard
-        self._meshes = build_parallel_meshes(
-            self.root_device.type, self._replicate_size, shard, self._tensor_parallel_size, self.world_size
-        )
-        self._device_mesh = self._meshes.root
+        self._build_meshes()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -132,46 +107,16 @@ class MixedFSDP2Strategy(ModelParallelStrategy):
         """Lightning's save (a DCP folder, or one file with ``save_distributed_checkpoint=False``), written beside
         ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact."""
         path = Path(self.broadcast(path))
-        if path.is_dir() and not self._save_distributed_checkpoint and not is_sharded_checkpoint(path):
-            raise IsADirectoryError(
-                f"{type(self).__name__}: the checkpoint path {str(path)!r} is a directory that is not a checkpoint;"
-                " choose a file path for a full checkpoint."
-            )
-        token = self.broadcast(uuid.uuid4().hex[:12])
-        temp = temp_sibling(path, token)
-        super().save_checkpoint(temp, state, storage_options=storage_options, filter=filter)
-        self.barrier()
-        if self.global_rank == 0:
-            commit(temp, path, token)
-        self.barrier()
+        write = super().save_checkpoint
+        self._save_atomically(path, lambda temp: write(temp, state, storage_options=storage_options, filter=filter))
 
     @override
     def load_checkpoint(
         self, path: Any, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
         path = Path(self.broadcast(path))
-        if self.global_rank == 0:
-            recover(path)
-        self.barrier()
+        self._recover_before_load(path)
         return super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
-
-    def export_safetensors(
-        self,
-        module: nn.Module,
-        directory: Any,
-        dtype: torch.dtype = torch.bfloat16,
-        keep_fp32_patterns: Optional[Sequence[str]] = None,
-        max_shard_bytes: int = 5 * 2**30,
-    ) -> Optional[List[Path]]:
-        """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the plan's keep-fp32 params (or
-        names matching ``keep_fp32_patterns``) stay fp32. Every rank calls it; rank 0 writes."""
-        plan = self.plan_of(module)
-        keep = [name for name, p in plan.params.items() if p.rule is not None]
-        return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
-
-    def plan_of(self, module: nn.Module) -> ShardPlan:
-        """The dtype plan applied to ``module`` (a model returned by ``fabric.setup``)."""
-        return self._sharded.plan_of(module)
 
     @override
     def clip_gradients_norm(
@@ -204,14 +149,4 @@ class _MixedBackwardSyncControl(_BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        return _no_sync(self._sharded, module, enabled)
-
-
-@contextmanager
-def _no_sync(sharded: ShardedModules, module: nn.Module, enabled: bool) -> Generator[None, None, None]:
-    """FSDP groups and replicated params both skip their reduction; grads accumulate locally until sync."""
-    sharded.set_requires_gradient_sync(module, not enabled)
-    try:
-        yield
-    finally:
-        sharded.set_requires_gradient_sync(module, True)
+        return self._sharded.no_sync([module], enabled)

@@ -40,14 +40,14 @@ class ReplicatedGradReducer:
 
         for params in self._buckets.values():
             locals_ = [p.grad.to_local() if p.grad is not None else None for p in params]
-            flags = torch.tensor([g is not None for g in locals_], dtype=params[0].dtype, device=_local(params[0]).device)
-            flat = torch.cat(
-                [g.reshape(-1) if g is not None else _local(p).new_zeros(p.numel()) for g, p in zip(locals_, params)]
-                + [flags]
+            flags = torch.tensor(
+                [g is not None for g in locals_], dtype=params[0].dtype, device=_local(params[0]).device
             )
+            grads = [g if g is not None else _local(p).new_zeros(p.shape) for g, p in zip(locals_, params, strict=True)]
+            flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
             offset = 0
-            for param, local, present in zip(params, locals_, flat[-len(params) :].tolist()):
+            for param, local, present in zip(params, locals_, flat[-len(params) :].tolist(), strict=True):
                 chunk = flat[offset : offset + param.numel()].view(param.shape)
                 offset += param.numel()
                 if local is not None:
@@ -125,7 +125,9 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
             value = torch.linalg.vector_norm(local, norm_type, dtype=torch.float32)
             value = value if is_inf else value.pow(norm_type)
         previous = contributions.get(key)
-        contributions[key] = value if previous is None else (torch.maximum(previous, value) if is_inf else previous + value)
+        contributions[key] = (
+            value if previous is None else (torch.maximum(previous, value) if is_inf else previous + value)
+        )
 
     total: Optional[Tensor] = None
     for (mesh, placements), value in contributions.items():

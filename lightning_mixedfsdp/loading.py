@@ -68,7 +68,10 @@ def dtype_aware(state_dict: Dict[str, Tensor], pinned: Collection[str], requeste
 
 
 def load_weights(
-    model: nn.Module, source: Union[PathLike, Dict[str, Tensor]], dtype: torch.dtype, config: Optional[MixedFSDPConfig] = None
+    model: nn.Module,
+    source: Union[PathLike, Dict[str, Tensor]],
+    dtype: torch.dtype,
+    config: Optional[MixedFSDPConfig] = None,
 ) -> nn.Module:
     """Load into an unsharded model (meta or not), dtype-aware; the model's params take the loaded dtypes."""
     config = config or MixedFSDPConfig()
@@ -102,7 +105,9 @@ def broadcast_full_state(model: nn.Module, full_state: Optional[Dict[str, Tensor
     expected = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
     problems = [None]
     if full_state is not None:
-        full_state = {k: v.to(expected[k][1]) if k in expected and v.is_floating_point() else v for k, v in full_state.items()}
+        full_state = {
+            k: v.to(expected[k][1]) if k in expected and v.is_floating_point() else v for k, v in full_state.items()
+        }
         problems = [_mismatches(expected, {k: (tuple(v.shape), v.dtype) for k, v in full_state.items()}, strict)]
     dist.broadcast_object_list(problems, src=0)
     if problems[0]:
@@ -141,7 +146,9 @@ def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu
             reset = getattr(submodule, "reset_parameters", None)
             if callable(reset):
                 reset()
-            elif any(True for _ in submodule.parameters(recurse=False)) or any(True for _ in submodule.buffers(recurse=False)):
+            elif any(True for _ in submodule.parameters(recurse=False)) or any(
+                True for _ in submodule.buffers(recurse=False)
+            ):
                 uninitialised.append(f"{name or '<root>'} ({type(submodule).__name__})")
     if uninitialised:
         warnings.warn(
@@ -153,7 +160,9 @@ def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu
     return module
 
 
-def materialize_sharded(sharded: nn.Module, template: Optional[nn.Module], device: torch.device, initialise: bool) -> None:
+def materialize_sharded(
+    sharded: nn.Module, template: Optional[nn.Module], device: torch.device, initialise: bool
+) -> None:
     """Allocate the local shards of a model sharded on meta. With ``initialise``, rank 0 (the only one passing the
     unsharded meta ``template``) initialises it with single-process values and broadcasts them into the shards."""
     sharded.to_empty(device=device)

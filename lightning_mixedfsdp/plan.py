@@ -9,7 +9,13 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, BulkDtypes, MixedFSDPConfig, resolve_bulk_dtypes
-from lightning_mixedfsdp.matching import PinnedParams, class_matches, find_frozen_modules, find_keep_fp32_params, is_within
+from lightning_mixedfsdp.matching import (
+    PinnedParams,
+    class_matches,
+    find_frozen_modules,
+    find_keep_fp32_params,
+    is_within,
+)
 
 ROOT = ""
 
@@ -93,9 +99,7 @@ class ShardPlan:
         with_params = [g for g in self.sharded_groups if g.params]
         trainable = [g for g in with_params if any(self.params[p].requires_grad for p in g.params)]
         non_root = [g for g in with_params if not g.is_root]
-        replicated_dtypes = {
-            self.params[p].key.storage for p in self.replicated_params if self.params[p].requires_grad
-        }
+        replicated_dtypes = {self.params[p].key.storage for p in self.replicated_params if self.params[p].requires_grad}
         all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
         return {
             "all_gather": all_gathers,
@@ -263,7 +267,9 @@ def _plan_unit(
             nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
             if nbytes < replicate_below_bytes:
                 group_params = tuple(n for n in covered if n in keyed)
-                groups.append(ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small"))
+                groups.append(
+                    ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small")
+                )
             else:
                 group_params = tuple(covered)
                 groups.append(ShardGroup(name, unit, tuple(modules), key, group_params))
@@ -380,7 +386,7 @@ def _format_report(plan: ShardPlan) -> str:
     header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
     table = [header] + [(f"{r[0]} x{n}" if n > 1 else r[0], *r[1:]) for r, n in rows.items()]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     sharded, replicated = plan.sharded_groups, plan.replicated_groups
     total_bytes = sum(p.nbytes for p in plan.params.values())
@@ -392,8 +398,7 @@ def _format_report(plan: ShardPlan) -> str:
         f"bulk: storage {_short(bulk.storage) if bulk.storage else 'as loaded'},"
         f" compute {_short(bulk.compute) if bulk.compute else 'own dtype'},"
         f" reduce {_short(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
-        "collectives per step (predicted): "
-        + ", ".join(f"{k} {v}" for k, v in plan.predicted_collectives().items()),
+        "collectives per step (predicted): " + ", ".join(f"{k} {v}" for k, v in plan.predicted_collectives().items()),
     ]
     warnings = [f"warning: {w}" for w in plan.warnings]
     return "\n".join(summary + [""] + lines + ([""] + warnings if warnings else []))

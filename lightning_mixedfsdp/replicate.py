@@ -93,9 +93,7 @@ def _install_swap_hooks(unit: nn.Module, entries: List[ReplicatedParam]) -> None
 
 
 def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    return apply_to_collection(
-        data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-    )
+    return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
 
 
 def _buckets_by_dtype(tensors: Sequence[Tensor]) -> Dict[torch.dtype, List[Tensor]]:

@@ -17,7 +17,9 @@ from typing import Any, Callable, List
 DEFAULT_TIMEOUT_S = 120
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> List[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+) -> List[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the per-rank return values."""
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()

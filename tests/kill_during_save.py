@@ -1,6 +1,6 @@
 """Helper for test_checkpoint: save once, then die by SIGKILL in the middle of a second save; or load and compare.
 
-    python tests/kill_during_save.py FOLDER sharded|full save|load
+python tests/kill_during_save.py FOLDER sharded|full save|load
 """
 
 import os
@@ -17,9 +17,9 @@ from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_bat
 
 def main() -> None:
     folder, mode, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    import lightning_mixedfsdp  # noqa: F401
     from lightning.fabric import Fabric
 
+    import lightning_mixedfsdp  # noqa: F401
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
     from lightning_mixedfsdp.models import causal_lm_loss
 

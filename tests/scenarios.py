@@ -95,8 +95,9 @@ A_LOG = [r"A_log$"]
 
 
 def make_fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> Any:
-    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
     from lightning.fabric import Fabric
+
+    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()

@@ -74,7 +74,11 @@ def _train_save_resume_export(rank: int, world_size: int, folder: str) -> Dict[s
         if mode == "sharded":
             fabric.strategy.export_safetensors(model, Path(folder) / "export", dtype=torch.bfloat16)
             fabric.strategy.export_safetensors(
-                model, Path(folder) / "export-sharded", dtype=torch.bfloat16, keep_fp32_patterns=A_LOG, max_shard_bytes=20_000
+                model,
+                Path(folder) / "export-sharded",
+                dtype=torch.bfloat16,
+                keep_fp32_patterns=A_LOG,
+                max_shard_bytes=20_000,
             )
             out["exported_from"] = full_params(model)
     return out
@@ -159,7 +163,9 @@ def test_export_keeps_the_plans_fp32_params_fp32_and_the_rest_in_the_save_dtype(
 
     from lightning_mixedfsdp import MixedFSDPConfig
 
-    reloaded = load_weights(BufferedLlama(MIXER), folder / "export", torch.bfloat16, MixedFSDPConfig(keep_fp32_params=A_LOG))
+    reloaded = load_weights(
+        BufferedLlama(MIXER), folder / "export", torch.bfloat16, MixedFSDPConfig(keep_fp32_params=A_LOG)
+    )
     for name, value in reloaded.state_dict().items():
         assert value.dtype == exported[name].dtype and torch.equal(value, exported[name]), name
 

@@ -29,7 +29,9 @@ def test_empty_pattern(field: str) -> None:
 
 
 def test_bad_regex() -> None:
-    with pytest.raises(MixedFSDPConfigError, match=r"keep_fp32_params\[0\]='A_log\(' is not a valid regex .*fix or escape"):
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"keep_fp32_params\[0\]='A_log\(' is not a valid regex .*fix or escape"
+    ):
         MixedFSDPConfig(keep_fp32_params=["A_log("]).validate()
 
 
@@ -44,7 +46,9 @@ def test_negative_replicate_threshold() -> None:
 
 
 def test_conflicting_bf16_storage_with_fp32_compute() -> None:
-    with pytest.raises(MixedFSDPConfigError, match=r"storage='bf16' with compute_dtype='fp32' conflict: .*use storage='fp32'"):
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"storage='bf16' with compute_dtype='fp32' conflict: .*use storage='fp32'"
+    ):
         MixedFSDPConfig(storage="bf16", compute_dtype="fp32").validate()
 
 
@@ -80,12 +84,18 @@ def test_strategy_rejects_bad_mesh_sizes() -> None:
 
 
 def test_mesh_sizes_must_multiply_to_the_world_size() -> None:
-    with pytest.raises(ValueError, match=r"data_parallel_replicate_size=2 x data_parallel_size=3 x tensor_parallel_size=1 must equal the world size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_replicate_size=2 x data_parallel_size=3 x tensor_parallel_size=1 must equal the world"
+        r" size \(4\)",
+    ):
         build_parallel_meshes("cpu", 2, 3, 1, 4)
 
 
 def test_fp16_precision_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"MixedFSDPPrecision does not support precision='16-true'.*use 'bf16-mixed' or 'bf16-true'"):
+    with pytest.raises(
+        ValueError, match=r"MixedFSDPPrecision does not support precision='16-true'.*use 'bf16-mixed' or 'bf16-true'"
+    ):
         MixedFSDPPrecision("16-true")
 
 
@@ -94,7 +104,10 @@ def test_fabric_with_fp16_flag_is_refused_by_the_strategy() -> None:
 
     import lightning_mixedfsdp  # noqa: F401
 
-    with pytest.raises(ValueError, match=r"MixedFSDP2Strategy does not support the precision plugin HalfPrecision \(precision='16-true'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"MixedFSDP2Strategy does not support the precision plugin HalfPrecision \(precision='16-true'\)",
+    ):
         Fabric(accelerator="cpu", devices=1, strategy="mixed_fsdp2", precision="16-true")
 
 

@@ -30,8 +30,6 @@ def test_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "quick_start.py"
     script.write_text(code)
-    completed = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
-    )
+    completed = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert "mixed_fsdp2 dtype plan" in completed.stdout

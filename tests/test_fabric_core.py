@@ -22,8 +22,9 @@ WORLD = 2
 
 
 def _fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> Any:
-    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
     from lightning.fabric import Fabric
+
+    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
     fabric.launch()
@@ -220,7 +221,9 @@ def test_grouped_norms_need_fewer_collectives_than_one_fully_shard_per_norm(core
 
 
 @pytest.mark.parametrize("variant", ["issue_156784", "issue_156784_sharded"])
-def test_issue_156784_model_with_one_bf16_linear_trains_with_the_string_strategy(core_results: list, variant: str) -> None:
+def test_issue_156784_model_with_one_bf16_linear_trains_with_the_string_strategy(
+    core_results: list, variant: str
+) -> None:
     result = core_results[0][variant]
     for name, info in result["params"].items():
         assert info["dtype"] == (torch.bfloat16 if name.startswith("hidden.") else torch.float32), name

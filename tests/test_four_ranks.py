@@ -107,7 +107,9 @@ def tp_results(all_results: list) -> list:
 def test_sharded_params_are_replicate_shard_and_replicated_params_replicate_replicate(results: list) -> None:
     assert results[0]["mesh_shape"] == (2, 2)
     for name, info in results[0]["params"].items():
-        expected = ("Replicate()", "Replicate()") if "norm" in name or "A_log" in name else ("Replicate()", "Shard(dim=0)")
+        expected = (
+            ("Replicate()", "Replicate()") if "norm" in name or "A_log" in name else ("Replicate()", "Shard(dim=0)")
+        )
         assert info["placements"] == expected, name
 
 
@@ -145,7 +147,8 @@ def test_parallelize_fn_runs_before_the_dtype_plan_on_a_data_parallel_mesh(tp_re
     assert params["layers.0.feed_forward.w1.weight"]["placements"] == ("_StridedShard(dim=0, sf=2)", "Shard(dim=0)")
     assert params["layers.0.feed_forward.w1.weight"]["dtype"] == torch.bfloat16
     assert (params["layers.0.attention.A_log"]["dtype"], params["layers.0.attention.A_log"]["placements"]) == (
-        torch.float32, ("Replicate()",)
+        torch.float32,
+        ("Replicate()",),
     )
 
 

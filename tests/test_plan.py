@@ -1,6 +1,5 @@
 """The planner in one process: no collectives, no process group."""
 
-import pytest
 import torch
 from torch import nn
 
@@ -181,9 +180,27 @@ def test_report_lists_every_param_collapsed_per_block_with_dtypes_groups_and_rul
     assert lines[0].startswith("mixed_fsdp2 dtype plan: 30 params")
     assert "bulk: storage fp32, compute bf16, reduce bf16" in report
     header = next(line for line in lines if line.startswith("parameter"))
-    assert header.split() == ["parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32", "rule"]
+    assert header.split() == [
+        "parameter",
+        "shape",
+        "storage",
+        "compute",
+        "reduce",
+        "placement",
+        "group",
+        "keep-fp32",
+        "rule",
+    ]
     row = next(line for line in lines if line.startswith("layers.*.ffn_norm.weight x3"))
-    assert row.split()[2:] == ["16", "fp32", "fp32", "fp32", "replicated", "layers.*[attention_norm,ffn_norm]", "module:RMSNorm"]
+    assert row.split()[2:] == [
+        "16",
+        "fp32",
+        "fp32",
+        "fp32",
+        "replicated",
+        "layers.*[attention_norm,ffn_norm]",
+        "module:RMSNorm",
+    ]
     row = next(line for line in lines if line.startswith("layers.*.feed_forward.w1.weight x3"))
     assert row.split()[2:] == ["32x16", "fp32", "bf16", "bf16", "sharded", "layers.*", "-"]
     assert any(line.startswith("layers.*.attention.A_log") and "inseparable" in line for line in lines)

@@ -35,6 +35,7 @@ def _tower_run(world_size: int, pin: bool) -> Dict[str, Any]:
     model = fabric.setup(TowerModel())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
     seen: Dict[str, Any] = {}
+
     def record_tower_output(_module: Any, _args: Any, output: torch.Tensor) -> None:
         seen.setdefault("tower_output", output.dtype)
 
@@ -72,13 +73,12 @@ def _rank0_load(world_size: int, checkpoint: str) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
     from lightning_mixedfsdp.loading import load_full_weights
 
-    fabric = make_fabric(
-        world_size, "bf16-true", MixedFSDP2Strategy(wrap_units=TOWER_UNITS, init_meta_params=False)
-    )
+    fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(wrap_units=TOWER_UNITS, init_meta_params=False))
     with fabric.init_module(empty_init=True):
         model = TowerModel()
     model = fabric.setup(model)
     if fabric.global_rank != 0:
+
         def refuse(*args: Any, **kwargs: Any) -> None:
             raise AssertionError(f"rank {fabric.global_rank} opened a checkpoint: {args[:1]}")
 
@@ -120,9 +120,18 @@ def tiny_gpt_oss_config() -> Any:
     from transformers import GptOssConfig
 
     return GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
     )
 
 
@@ -182,10 +191,10 @@ def test_leak_check_names_the_leaking_modules_when_frozen_pinning_is_off(results
 
 
 def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> None:
+    from lightning_mixedfsdp import MixedFSDPConfig
     from lightning_mixedfsdp.loading import init_meta_module_
     from lightning_mixedfsdp.models import TinyLlama
     from lightning_mixedfsdp.precision import MixedFSDPPrecision
-    from lightning_mixedfsdp import MixedFSDPConfig
 
     with torch.device("meta"):
         reference = TinyLlama(MIXER)

@@ -62,7 +62,9 @@ def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str
         if n.endswith("A_log")
     }
     out["exp_avg"] = {
-        n: optimizer.state[p]["exp_avg"].to_local().clone() for n, p in unwrap(model).named_parameters() if n.endswith("A_log")
+        n: optimizer.state[p]["exp_avg"].to_local().clone()
+        for n, p in unwrap(model).named_parameters()
+        if n.endswith("A_log")
     }
     return out
 
@@ -90,9 +92,7 @@ def _accumulation_and_clipping(rank: int, world_size: int) -> Dict[str, Any]:
     optimizer.zero_grad()
 
     with count_collectives() as single_counts:
-        fabric.backward(
-            sum(causal_lm_loss(model(m), m) for m in local.chunk(MICRO_BATCHES)) / MICRO_BATCHES
-        )
+        fabric.backward(sum(causal_lm_loss(model(m), m) for m in local.chunk(MICRO_BATCHES)) / MICRO_BATCHES)
     single = full_grads(model)
     expected_norm = grad_norm_of(single)
     total_norm = fabric.clip_gradients(model, optimizer, max_norm=0.1)
@@ -151,7 +151,9 @@ def test_a_log_is_a_replicated_fp32_dtensor_beside_sharded_bf16_dt_bias(results:
     for layer in MIXER.mixer_layers:
         a_log, dt_bias = params[f"layers.{layer}.attention.A_log"], params[f"layers.{layer}.attention.dt_bias"]
         assert (a_log["dtype"], a_log["grad_dtype"], a_log["placements"]) == (
-            torch.float32, torch.float32, ("Replicate()",)
+            torch.float32,
+            torch.float32,
+            ("Replicate()",),
         ), results[0]["mixer"]["report"]
         assert (dt_bias["dtype"], dt_bias["placements"]) == (torch.bfloat16, ("Shard(dim=0)",))
 
@@ -213,9 +215,9 @@ def test_clip_total_norm_equals_the_single_process_reference(results: list) -> N
 
 
 def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing_deadlocks(results: list) -> None:
+    from lightning_mixedfsdp.config import MixedFSDPConfig
     from lightning_mixedfsdp.models import TinyMoE
     from lightning_mixedfsdp.precision import MixedFSDPPrecision
-    from lightning_mixedfsdp.config import MixedFSDPConfig
 
     rank0, rank1 = (r["moe"] for r in results)
     assert "layers.0.experts.1.weight" in rank0["replicated"]
