@@ -10,10 +10,12 @@ from lightning_mixedfsdp.precision import MixedFSDPPrecision
 def _register() -> None:
     # launchers re-import this package in every child process; registration is guarded against doubles
     from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp import fabric, pytorch
 
-    MixedFSDP2Strategy.register_strategies(STRATEGY_REGISTRY)
+    fabric.MixedFSDP2Strategy.register_strategies(STRATEGY_REGISTRY)
+    pytorch.MixedFSDP2Strategy.register_strategies(StrategyRegistry)
 
 
 _register()
