@@ -81,6 +81,9 @@ class Mixer(nn.Module):
     """A Mamba/GatedDeltaNet-style token mixer: ``A_log`` and ``dt_bias`` are bare params of the same module, so no
     module boundary separates an fp32 ``A_log`` from a bf16 ``dt_bias``."""
 
+    # declared the way HF models declare it, so the default rules (honor_hf_keep_in_fp32) keep A_log fp32
+    _keep_in_fp32_modules = ["A_log"]
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.in_proj = nn.Linear(dim, dim, bias=False)
