@@ -57,7 +57,9 @@ def count_collectives() -> Iterator[CollectiveCounts]:
 def _counting(name: str, original: Callable, counts: CollectiveCounts) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         counts.calls[name] += 1
-        counts.bytes[name] += sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
+        # the largest buffer: the gathered output of an all-gather, the unreduced input of a reduce-scatter
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        counts.bytes[name] += max((t.numel() * t.element_size() for t in tensors), default=0)
         return original(*args, **kwargs)
 
     return wrapper

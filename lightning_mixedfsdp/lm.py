@@ -11,6 +11,14 @@ from torchmetrics.text import Perplexity
 from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 
 
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Learning-rate factor: linear warm-up, then cosine decay to 10%."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
 class CausalLM(pl.LightningModule):
     def __init__(
         self,
@@ -48,15 +56,10 @@ class CausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), **self.optim)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-    def _lr_factor(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to 10%."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     @property
     def untrained_perplexity(self) -> Optional[float]:

@@ -5,6 +5,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
+from benchmarks.baselines import shard_each_norm_separately
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from tests.distributed import run_distributed
 from tests.scenarios import (
@@ -84,21 +85,6 @@ def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> 
     return counts.by_kind()
 
 
-def _shard_each_norm_separately(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """What most projects hand-write today: one fully_shard per norm with an fp32 policy, then each block."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from lightning_mixedfsdp.models import RMSNorm
-
-    norm_policy = MixedPrecisionPolicy(torch.float32, torch.float32, output_dtype=torch.bfloat16)
-    for block in [*model.layers, model]:
-        for module in block.modules():
-            if isinstance(module, RMSNorm) and (block is not model or module is model.norm):
-                fully_shard(module, mesh=mesh, mp_policy=norm_policy)
-        fully_shard(block, mesh=mesh, mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.bfloat16))
-    return model
-
-
 def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
     from lightning_mixedfsdp.models import TinyLlama
@@ -115,7 +101,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
     torch.manual_seed(0)
     baseline = TinyLlama(LLAMA)
     MixedFSDPPrecision("bf16-true").cast_to_storage(baseline)
-    _shard_each_norm_separately(baseline, fabric.strategy.meshes.fsdp)
+    shard_each_norm_separately(baseline, fabric.strategy.meshes.fsdp)
     out["per_norm"] = _steady_step_counts(None, baseline, rank, world_size)
     return out
 

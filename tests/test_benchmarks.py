@@ -1,0 +1,35 @@
+"""Each benchmark script runs end to end at tiny sizes, so none can rot. Timings are printed, never asserted."""
+
+import json
+from pathlib import Path
+
+from benchmarks import collectives_and_speed, numerics, setup_cost
+
+
+def test_collectives_and_speed_runs_and_replication_adds_one_all_reduce_and_no_all_gather(capsys) -> None:
+    argv = ["--layers", "2", "--dim", "32", "--steps", "2", "--warmup", "1", "--configs", "ae", "--device", "cpu"]
+    results = collectives_and_speed.main(argv)
+    uniform, mixed = results["L2/a"]["calls"], results["L2/e"]["calls"]
+    assert mixed["all_gather"] == uniform["all_gather"]
+    assert mixed["reduce_scatter"] == uniform["reduce_scatter"]
+    assert mixed.get("all_reduce", 0) - uniform.get("all_reduce", 0) == 1
+    assert results["L2/e"]["bytes"]["reduce_scatter"] > 0
+    assert "| 2 | (e) mixed_fsdp2" in capsys.readouterr().out
+
+
+def test_setup_cost_runs(capsys) -> None:
+    result = setup_cost.main(["--layers", "6", "--repeats", "1", "--device", "cpu"])
+    assert result["plan_s"] > 0 and result["shard_s"] > 0 and result["groups"] > 6
+    assert "plan_sharding (one process)" in capsys.readouterr().out
+
+
+def test_numerics_runs_and_keeps_norms_fp32_only_in_the_mixed_run(tmp_path: Path, capsys) -> None:
+    argv = ["--steps", "4", "--dim", "32", "--layers", "2", "--seq", "32", "--batch", "2", "--device", "cpu"]
+    argv += ["--runs", "naive_bf16", "mixed_bf16_true", "--no-plot", "--out", str(tmp_path)]
+    results = numerics.main(argv)
+    assert results["naive_bf16"]["dtypes"]["norm.weight"] == "torch.bfloat16"
+    assert results["mixed_bf16_true"]["dtypes"]["norm.weight"] == "torch.float32"
+    assert results["mixed_bf16_true"]["dtypes"]["layers.1.attention.A_log"] == "torch.float32"
+    assert len(results["mixed_bf16_true"]["losses"]) == 4
+    assert json.loads((tmp_path / "numerics.json").read_text()).keys() == results.keys()
+    assert "| naive all-bf16 |" in capsys.readouterr().out
