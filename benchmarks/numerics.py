@@ -35,7 +35,7 @@ WATCHED = ("norm", "A_log")  # params whose movement is reported
 
 
 def train(
-    rank: int, world: int, run: str, steps: int, dim: int, layers: int, seq: int, batch: int, kind: str
+    rank: int, world: int, run: str, steps: int, dim: int, layers: int, seq: int, batch: int, kind: str, seed: int
 ) -> Dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -43,7 +43,7 @@ def train(
     device = init_process_group(kind)
     precision, fields, _ = RUNS[run]
     config = MixedFSDPConfig(**fields)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = TinyLlama(
         TinyLlamaConfig(vocab_size=256, dim=dim, n_layers=layers, n_heads=4, hidden_dim=3 * dim, mixer_layers=[1])
     )
@@ -130,13 +130,14 @@ def main(argv: Any = None) -> Dict[str, Any]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=0, help="init seed (the data order stays fixed)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     kind = device_type(args.device)
     results = {
         run: run_distributed(
-            train, 2, run, args.steps, args.dim, args.layers, args.seq, args.batch, kind, timeout=3000
+            train, 2, run, args.steps, args.dim, args.layers, args.seq, args.batch, kind, args.seed, timeout=3000
         )[0]
         for run in args.runs
     }
