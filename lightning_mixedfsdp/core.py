@@ -72,6 +72,11 @@ def validate_mesh_sizes(owner: str, data_parallel_size: Any, replicate_size: Any
         raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
 
 
+def no_parallelize(module: nn.Module, _: Any) -> nn.Module:
+    """The default ``parallelize_fn``: no tensor parallelism, only the dtype plan."""
+    return module
+
+
 def shard_size(data_parallel_size: Any, replicate_size: int, tensor_parallel_size: int, world_size: int) -> int:
     if data_parallel_size != "auto":
         return data_parallel_size
@@ -165,6 +170,23 @@ class MixedFSDP2Mixin:
     _meshes: Optional[ParallelMeshes]
     _sharded: ShardedModules
     _replicate_size: int
+
+    def _intake(
+        self, config: ConfigInput, fields: Dict[str, Any], data_parallel_size: Any, replicate_size: int, tp_size: int
+    ) -> None:
+        """Before Lightning's ``__init__``, which already calls the precision setter that needs the config."""
+        self._config = make_config(config, fields, type(self).__name__)
+        validate_mesh_sizes(type(self).__name__, data_parallel_size, replicate_size, tp_size)
+        self._replicate_size = replicate_size
+        self._meshes = None
+        self._sharded = ShardedModules()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(
+                STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
+            )
 
     @property
     def config(self) -> MixedFSDPConfig:

@@ -10,23 +10,19 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.core import (
-    STRATEGY_NAME,
     ConfigInput,
     MixedFSDP2Mixin,
     ShardedModules,
     adopt_precision,
-    make_config,
-    validate_mesh_sizes,
+    no_parallelize,
 )
 from lightning_mixedfsdp.gradients import clip_grad_norm_
-from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 
 
@@ -57,19 +53,15 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         **fields: Any,
     ) -> None:
-        self._config = make_config(config, fields, type(self).__name__)
-        validate_mesh_sizes(type(self).__name__, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
+        self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
         super().__init__(
-            parallelize_fn=parallelize_fn or _no_parallelize,
+            parallelize_fn=parallelize_fn or no_parallelize,
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._replicate_size = data_parallel_replicate_size
-        self._meshes: Optional[ParallelMeshes] = None
-        self._sharded = ShardedModules()
         self._backward_sync_control = _MixedBackwardSyncControl(self._sharded)
 
     @property  # type: ignore[override]
@@ -129,18 +121,6 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(
-                STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
-            )
-
-
-def _no_parallelize(module: nn.Module, _: Any) -> nn.Module:
-    return module
 
 
 class _MixedBackwardSyncControl(_BackwardSyncControl):

@@ -1,7 +1,7 @@
 """Small reference models built from config: tests, examples, benchmarks and the recipe share them."""
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +17,7 @@ class TinyLlamaConfig:
     n_heads: int = 4
     hidden_dim: int = 128
     """SwiGLU inner width."""
-    mixer_layers: Sequence[int] = ()
+    mixer_layers: List[int] = field(default_factory=list)
     """Layers whose attention is replaced by a Mamba-style mixer with a bare fp32 ``A_log`` beside ``dt_bias``."""
     norm_eps: float = 1e-5
 

@@ -16,16 +16,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.core import (
-    STRATEGY_NAME,
     ConfigInput,
     MixedFSDP2Mixin,
-    ShardedModules,
     adopt_precision,
-    make_config,
-    validate_mesh_sizes,
+    no_parallelize,
 )
 from lightning_mixedfsdp.gradients import clip_grad_norm_
-from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 
 
@@ -61,8 +57,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         **fields: Any,
     ) -> None:
-        self._config = make_config(config, fields, type(self).__name__)
-        validate_mesh_sizes(type(self).__name__, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
+        self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -70,9 +65,6 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._replicate_size = data_parallel_replicate_size
-        self._meshes: Optional[ParallelMeshes] = None
-        self._sharded = ShardedModules()
 
     @property  # type: ignore[override]
     @override
@@ -117,7 +109,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         for name, child in module.named_children():
             if any(True for _ in child.parameters()):
                 sharded = self._sharded.shard(
-                    child, self._config, self.precision_plugin, self.meshes, self.root_device, _no_parallelize
+                    child, self._config, self.precision_plugin, self.meshes, self.root_device, no_parallelize
                 )
                 setattr(module, name, sharded)
 
@@ -148,15 +140,3 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
             path = Path(filepath)
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(
-                STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
-            )
-
-
-def _no_parallelize(module: nn.Module, _: Any) -> nn.Module:
-    return module

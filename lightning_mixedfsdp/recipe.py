@@ -11,6 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig, _collect_problems
 from lightning_mixedfsdp.core import STRATEGY_NAME
+from lightning_mixedfsdp.models import TinyLlamaConfig
 
 
 class RecipeError(ValueError):
@@ -49,15 +50,13 @@ class StrategySection(MixedFSDPConfig):
 
 
 @dataclass
-class ModelSection:
-    vocab_size: int = 256
+class ModelSection(TinyLlamaConfig):
+    """The reference byte-level Llama (``TinyLlamaConfig``) with the main job's sizes."""
+
     dim: int = 128
     n_layers: int = 4
-    n_heads: int = 4
     hidden_dim: int = 384
     mixer_layers: List[int] = field(default_factory=lambda: [1])
-    """Layers whose attention is a Mamba-style mixer with a bare fp32 ``A_log``."""
-    norm_eps: float = 1e-5
 
 
 @dataclass

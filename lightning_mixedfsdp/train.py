@@ -19,7 +19,6 @@ from lightning.pytorch.utilities import rank_zero_info
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.data import StdlibCorpus
 from lightning_mixedfsdp.lm import CausalLM
-from lightning_mixedfsdp.models import TinyLlamaConfig
 from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy
 from lightning_mixedfsdp.recipe import Recipe, RecipeError, load_recipe
 
@@ -60,10 +59,9 @@ def run(recipe: Recipe) -> Dict[str, Optional[float]]:
         data.max_bytes,
         recipe.trainer.seed,
     )
-    model_config = TinyLlamaConfig(**vars(recipe.model))
     optim = recipe.optimizer
     module = CausalLM(
-        model_config, optim.lr, optim.weight_decay, list(optim.betas), optim.warmup_steps, recipe.trainer.max_steps
+        recipe.model, optim.lr, optim.weight_decay, list(optim.betas), optim.warmup_steps, recipe.trainer.max_steps
     )
     trainer.fit(module, datamodule=datamodule)
 
