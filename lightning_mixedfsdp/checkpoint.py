@@ -34,11 +34,11 @@ def commit(temp: Path, path: Path, token: str) -> None:
         old = path.with_name(f".{path.name}.old-{token}")
         os.rename(path, old)
         os.rename(temp, path)
-        _remove(old)
+        remove_path(old)
     else:
         os.rename(temp, path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        _remove(stale)
+        remove_path(stale)
 
 
 def recover(path: Path) -> None:
@@ -50,7 +50,8 @@ def recover(path: Path) -> None:
         os.rename(previous[-1], path)
 
 
-def _remove(path: Path) -> None:
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint file or folder, if present."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     elif path.exists():

@@ -1,6 +1,5 @@
 """What the Fabric and Trainer strategies share: config intake, precision translation, sharding a module."""
 
-import logging
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -23,7 +22,6 @@ from lightning_mixedfsdp.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.plan import ShardPlan, plan_sharding
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 
-log = logging.getLogger(__name__)
 STRATEGY_NAME = "mixed_fsdp2"
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]

@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mixedfsdp.checkpoint import remove_path
 from lightning_mixedfsdp.core import (
     ConfigInput,
     MixedFSDP2Mixin,
@@ -136,7 +137,4 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            import shutil
-
-            path = Path(filepath)
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            remove_path(Path(filepath))
