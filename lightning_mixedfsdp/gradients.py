@@ -46,13 +46,16 @@ class ReplicatedGradReducer:
             grads = [g if g is not None else _local(p).new_zeros(p.shape) for g, p in zip(locals_, params, strict=True)]
             flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
+            # the flags are read on the host only when this rank lacks a grad: no device sync in the common case
+            missing = any(g is None for g in locals_)
+            present = flat[-len(params) :].tolist() if missing else [1.0] * len(params)
             offset = 0
-            for param, local, present in zip(params, locals_, flat[-len(params) :].tolist(), strict=True):
+            for param, local, anywhere in zip(params, locals_, present, strict=True):
                 chunk = flat[offset : offset + param.numel()].view(param.shape)
                 offset += param.numel()
                 if local is not None:
                     local.copy_(chunk)
-                elif present > 0:
+                elif anywhere > 0:
                     param.grad = DTensor.from_local(chunk.clone(), param.device_mesh, param.placements, run_check=False)
 
     def _hook_outputs(self, _module: nn.Module, _args: Any, output: Any) -> None:
