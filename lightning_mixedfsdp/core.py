@@ -17,7 +17,7 @@ from lightning_mixedfsdp.checkpoint import commit, export_model, is_sharded_chec
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig
 from lightning_mixedfsdp.leaks import install_leak_check
 from lightning_mixedfsdp.loading import has_meta_tensors, materialize_sharded, meta_template
-from lightning_mixedfsdp.matching import class_matches
+from lightning_mixedfsdp.matching import keep_fp32_module_names
 from lightning_mixedfsdp.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.plan import ShardPlan, plan_sharding
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
@@ -124,9 +124,7 @@ class ShardedModules:
         else:
             sync_replicas(applied, meshes)
         if config.check_dtype_leaks and plan.bulk.compute is not None:
-            keep_fp32 = [
-                n for n, m in module.named_modules() if any(class_matches(m, r) for r in config.keep_fp32_modules)
-            ]
+            keep_fp32 = keep_fp32_module_names(module, config.keep_fp32_modules)
             install_leak_check(module, plan.bulk.compute, keep_fp32)
         self._applied[module] = applied
         return module

@@ -8,6 +8,7 @@ from typing import Any, Collection, Dict, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp.checkpoint import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.matching import find_keep_fp32_params
 
@@ -38,11 +39,11 @@ def _read_export_folder(folder: Path) -> Dict[str, Tensor]:
 
     from safetensors.torch import load_file
 
-    index = folder / "model.safetensors.index.json"
+    index = folder / SAFETENSORS_INDEX
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
     else:
         raise FileNotFoundError(
             f"read_state_dict: {str(folder)!r} has neither model.safetensors nor model.safetensors.index.json;"

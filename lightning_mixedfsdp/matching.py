@@ -91,6 +91,11 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def keep_fp32_module_names(model: nn.Module, module_rules: Sequence[str]) -> List[str]:
+    """Qualified names of the modules a keep-fp32 class rule matches (their buffers stay fp32 too)."""
+    return [name for name, module in model.named_modules() if any(class_matches(module, r) for r in module_rules)]
+
+
 def find_frozen_modules(model: nn.Module) -> List[str]:
     """Qualified names of the largest submodules whose params are all frozen (``requires_grad=False``)."""
     frozen: List[str] = []

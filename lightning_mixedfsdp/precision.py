@@ -12,10 +12,10 @@ from typing_extensions import override
 from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig, resolve_bulk_dtypes
 from lightning_mixedfsdp.matching import (
     PinnedParams,
-    class_matches,
     find_frozen_modules,
     find_keep_fp32_params,
     is_within,
+    keep_fp32_module_names,
 )
 from lightning_mixedfsdp.plan import param_key
 
@@ -57,9 +57,7 @@ class MixedFSDPPrecision(Precision):
         dtype (buffers too), the rest in the bulk storage dtype when there is one. Idempotent."""
         pinned = self.pinned_params(module)
         frozen = find_frozen_modules(module) if self.config.pin_frozen_modules else []
-        keep_fp32 = [
-            n for n, m in module.named_modules() if any(class_matches(m, r) for r in self.config.keep_fp32_modules)
-        ]
+        keep_fp32 = keep_fp32_module_names(module, self.config.keep_fp32_modules)
         with torch.no_grad():
             for name, param in module.named_parameters():
                 in_frozen = any(is_within(name, f) for f in frozen)
