@@ -25,9 +25,9 @@ from benchmarks.common import (
     synchronize,
     training_state_bytes,
 )
-from lightning_mixedfsdp.diagnostics import count_collectives
-from lightning_mixedfsdp.models import TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.spawn import run_distributed
+from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+from lightning_mixedfsdp.recipes.launch import run_distributed
+from lightning_mixedfsdp.recipes.models import TinyLlamaConfig, causal_lm_loss
 
 
 def measure(

@@ -9,10 +9,10 @@ from torch import nn
 
 from benchmarks.baselines import shard_each_norm_separately, shard_uniform
 from lightning_mixedfsdp import MixedFSDPConfig
-from lightning_mixedfsdp.core import ShardedModules
-from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
+from lightning_mixedfsdp.strategies.mixin import ShardedModules
 
 CONFIGS = {
     "a": "uniform all-bf16 FSDP2 (norms bf16: fast, numerically wrong)",

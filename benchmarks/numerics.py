@@ -16,14 +16,14 @@ from torchmetrics.text import Perplexity
 
 from benchmarks.common import device_type, init_process_group
 from lightning_mixedfsdp import MixedFSDPConfig
-from lightning_mixedfsdp.core import ShardedModules
-from lightning_mixedfsdp.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
-from lightning_mixedfsdp.gradients import clip_grad_norm_
-from lightning_mixedfsdp.lm import warmup_cosine
-from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.spawn import run_distributed
+from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
+from lightning_mixedfsdp.recipes.launch import run_distributed
+from lightning_mixedfsdp.recipes.lm import warmup_cosine
+from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
+from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
+from lightning_mixedfsdp.strategies.mixin import ShardedModules
 
 RUNS = {
     "fp32": ("32-true", {}, "full fp32"),

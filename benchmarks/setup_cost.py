@@ -13,11 +13,11 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-from lightning_mixedfsdp.core import ShardedModules
-from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.spawn import run_distributed
+from lightning_mixedfsdp.recipes.launch import run_distributed
+from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
+from lightning_mixedfsdp.strategies.mixin import ShardedModules
 
 
 def model_config(layers: int) -> TinyLlamaConfig:

@@ -10,7 +10,7 @@ import torch
 from lightning.fabric import Fabric
 
 import lightning_mixedfsdp  # noqa: F401  registers strategy="mixed_fsdp2"
-from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 
 
 def main() -> None:

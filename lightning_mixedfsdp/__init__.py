@@ -1,10 +1,11 @@
 """Mixed-dtype FSDP2 for Lightning: ``Fabric(strategy="mixed_fsdp2")``."""
 
+from lightning_mixedfsdp.checkpoint import load_full_weights, load_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
-from lightning_mixedfsdp.gradients import clip_grad_norm_, total_grad_norm
-from lightning_mixedfsdp.matching import find_keep_fp32_params
-from lightning_mixedfsdp.plan import DtypeKey, ShardGroup, ShardPlan, plan_sharding
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp.sharding.clip import clip_grad_norm_, total_grad_norm
+from lightning_mixedfsdp.sharding.matching import find_keep_fp32_params
+from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan, plan_sharding
 
 
 def _register() -> None:
@@ -12,10 +13,10 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_mixedfsdp import fabric, pytorch
+    from lightning_mixedfsdp.strategies import fabric, trainer
 
     fabric.MixedFSDP2Strategy.register_strategies(STRATEGY_REGISTRY)
-    pytorch.MixedFSDP2Strategy.register_strategies(StrategyRegistry)
+    trainer.MixedFSDP2Strategy.register_strategies(StrategyRegistry)
 
 
 _register()
@@ -29,6 +30,8 @@ __all__ = [
     "ShardPlan",
     "clip_grad_norm_",
     "find_keep_fp32_params",
+    "load_full_weights",
+    "load_weights",
     "plan_sharding",
     "total_grad_norm",
 ]

@@ -81,14 +81,48 @@ class MixedFSDPConfig:
     init_meta_params: bool = True
     """For a model built on the meta device: initialise it on rank 0 (each module's ``reset_parameters``, the values a
     single process with the same seed gets) and broadcast. ``False`` only allocates the shards, for a load that
-    follows (see ``lightning_mixedfsdp.loading.load_full_weights``)."""
+    follows (see ``lightning_mixedfsdp.checkpoint.load_full_weights``)."""
 
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
 
+    def problems(self) -> List[str]:
+        """Every problem of this config, each with its fix; empty when valid."""
+        problems = []
+        if self.storage not in _STORAGE_CHOICES:
+            problems.append(f"storage={self.storage!r} is not supported; use one of {list(_STORAGE_CHOICES)}.")
+        for name in ("compute_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPE_CHOICES:
+                problems.append(f"{name}={value!r} is not supported; use one of {list(_DTYPE_CHOICES)}.")
+        for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units"):
+            for index, pattern in enumerate(getattr(self, name) or []):
+                if not isinstance(pattern, str) or not pattern.strip():
+                    problems.append(f"{name}[{index}]={pattern!r} is empty; remove it or give a name.")
+        for index, pattern in enumerate(self.keep_fp32_params):
+            if isinstance(pattern, str) and pattern.strip():
+                try:
+                    re.compile(pattern)
+                except re.error as err:
+                    problems.append(
+                        f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
+                    )
+        if self.wrap_units is not None and len(self.wrap_units) == 0:
+            problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
+        if not isinstance(self.replicate_below_bytes, int) or self.replicate_below_bytes < 0:
+            problems.append(
+                f"replicate_below_bytes={self.replicate_below_bytes!r} must be an int >= 0; use 0 to shard every group."
+            )
+        if _DTYPE_NAMES.get(self.storage) == torch.bfloat16 and _DTYPE_NAMES.get(self.compute_dtype) == torch.float32:
+            problems.append(
+                "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
+                " use storage='fp32' (fp32 master weights) or compute_dtype='bf16'."
+            )
+        return problems
+
     def validate(self) -> "MixedFSDPConfig":
         """Raise :class:`MixedFSDPConfigError` listing every problem at once; return ``self`` when valid."""
-        problems = _collect_problems(self)
+        problems = self.problems()
         if problems:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise MixedFSDPConfigError(f"MixedFSDPConfig has {len(problems)} problem(s):\n{listed}")
@@ -106,38 +140,22 @@ class MixedFSDPConfig:
         return cls(**kwargs)
 
 
-def _collect_problems(config: MixedFSDPConfig) -> List[str]:
-    problems = []
-    if config.storage not in _STORAGE_CHOICES:
-        problems.append(f"storage={config.storage!r} is not supported; use one of {list(_STORAGE_CHOICES)}.")
-    for name in ("compute_dtype", "reduce_dtype"):
-        value = getattr(config, name)
-        if value not in _DTYPE_CHOICES:
-            problems.append(f"{name}={value!r} is not supported; use one of {list(_DTYPE_CHOICES)}.")
-    for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units"):
-        for index, pattern in enumerate(getattr(config, name) or []):
-            if not isinstance(pattern, str) or not pattern.strip():
-                problems.append(f"{name}[{index}]={pattern!r} is empty; remove it or give a name.")
-    for index, pattern in enumerate(config.keep_fp32_params):
-        if isinstance(pattern, str) and pattern.strip():
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                problems.append(
-                    f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
-                )
-    if config.wrap_units is not None and len(config.wrap_units) == 0:
-        problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
-    if not isinstance(config.replicate_below_bytes, int) or config.replicate_below_bytes < 0:
-        problems.append(
-            f"replicate_below_bytes={config.replicate_below_bytes!r} must be an int >= 0; use 0 to shard every group."
-        )
-    if _DTYPE_NAMES.get(config.storage) == torch.bfloat16 and _DTYPE_NAMES.get(config.compute_dtype) == torch.float32:
-        problems.append(
-            "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
-            " use storage='fp32' (fp32 master weights) or compute_dtype='bf16'."
-        )
-    return problems
+def precision_problem(precision: Any) -> Optional[str]:
+    """Why ``precision`` cannot be used with mixed_fsdp2, with the fix; None when it can."""
+    if precision in SUPPORTED_PRECISIONS:
+        return None
+    return (
+        f"precision={precision!r} is not supported; use one of {list(SUPPORTED_PRECISIONS)}. fp16 needs a sharded"
+        " gradient scaler that FSDP2 does not provide; use 'bf16-mixed' or 'bf16-true' instead."
+    )
+
+
+def check_precision(precision: Any, owner: str) -> str:
+    """``precision`` when supported, else a ValueError naming ``owner`` (the class that was given it)."""
+    problem = precision_problem(precision)
+    if problem is not None:
+        raise ValueError(f"{owner}: {problem}")
+    return precision
 
 
 class BulkDtypes(NamedTuple):
@@ -150,12 +168,7 @@ class BulkDtypes(NamedTuple):
 
 def resolve_bulk_dtypes(storage: str, compute_dtype: str, reduce_dtype: str, precision: str) -> BulkDtypes:
     """Combine the config's dtype fields with the Lightning precision flag; explicit fields win over the flag."""
-    if precision not in _PRECISION_TO_BULK:
-        raise ValueError(
-            f"mixed_fsdp2 does not support precision={precision!r}; use one of {list(SUPPORTED_PRECISIONS)}."
-            " fp16 needs a sharded gradient scaler that FSDP2 does not provide; use 'bf16-mixed' or 'bf16-true'."
-        )
-    flag_storage, flag_compute = _PRECISION_TO_BULK[precision]
+    flag_storage, flag_compute = _PRECISION_TO_BULK[check_precision(precision, "mixed_fsdp2")]
     resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else _DTYPE_NAMES[storage]
     resolved_compute = flag_compute if compute_dtype == "auto" else _DTYPE_NAMES[compute_dtype]
     resolved_reduce = resolved_compute if reduce_dtype == "auto" else _DTYPE_NAMES[reduce_dtype]

@@ -5,19 +5,19 @@ from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
-from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig, resolve_bulk_dtypes
-from lightning_mixedfsdp.matching import (
+from lightning_mixedfsdp.config import MixedFSDPConfig, check_precision, resolve_bulk_dtypes
+from lightning_mixedfsdp.sharding.matching import (
     PinnedParams,
     find_frozen_modules,
-    find_keep_fp32_params,
     is_within,
     keep_fp32_module_names,
+    keep_fp32_params_of,
 )
-from lightning_mixedfsdp.plan import param_key
+from lightning_mixedfsdp.sharding.plan import param_key
+from lightning_mixedfsdp.sharding.tensors import cast_floating
 
 
 class MixedFSDPPrecision(Precision):
@@ -30,20 +30,14 @@ class MixedFSDPPrecision(Precision):
     """
 
     def __init__(self, precision: str = "32-true", config: Optional[MixedFSDPConfig] = None) -> None:
-        if precision not in SUPPORTED_PRECISIONS:
-            raise ValueError(
-                f"MixedFSDPPrecision does not support precision={precision!r}; use one of {list(SUPPORTED_PRECISIONS)}."
-                " fp16 would need a sharded gradient scaler; use 'bf16-mixed' or 'bf16-true' instead."
-            )
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = check_precision(precision, type(self).__name__)  # type: ignore[assignment]
         self.config = (config or MixedFSDPConfig()).validate()
         self.bulk = resolve_bulk_dtypes(
             self.config.storage, self.config.compute_dtype, self.config.reduce_dtype, precision
         )
 
     def pinned_params(self, module: nn.Module) -> PinnedParams:
-        c = self.config
-        return find_keep_fp32_params(module, c.keep_fp32_modules, c.keep_fp32_params, c.honor_hf_keep_in_fp32)
+        return keep_fp32_params_of(module, self.config)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -89,17 +83,13 @@ class MixedFSDPPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.bulk.compute is None:
             return data
-        return apply_to_collection(data, Tensor, _cast_floating, self.bulk.compute)
+        return cast_floating(data, self.bulk.compute)
 
     @override
     def convert_output(self, data: Any) -> Any:
         if self.bulk.compute is None:
             return data
-        return apply_to_collection(data, Tensor, _cast_floating, torch.get_default_dtype())
-
-
-def _cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+        return cast_floating(data, torch.get_default_dtype())
 
 
 @contextmanager

@@ -21,7 +21,7 @@ def main() -> None:
 
     import lightning_mixedfsdp  # noqa: F401
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
     strategy = MixedFSDP2Strategy(keep_fp32_params=A_LOG, save_distributed_checkpoint=mode == "sharded")
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true")

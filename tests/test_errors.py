@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
 
 
 def test_unknown_storage() -> None:
@@ -94,7 +94,7 @@ def test_mesh_sizes_must_multiply_to_the_world_size() -> None:
 
 def test_fp16_precision_is_refused_with_the_fix() -> None:
     with pytest.raises(
-        ValueError, match=r"MixedFSDPPrecision does not support precision='16-true'.*use 'bf16-mixed' or 'bf16-true'"
+        ValueError, match=r"MixedFSDPPrecision: precision='16-true' is not supported; .*use 'bf16-mixed' or 'bf16-true'"
     ):
         MixedFSDPPrecision("16-true")
 

@@ -1,22 +1,40 @@
-"""Execute a ShardPlan: storage casts, one ``fully_shard`` per sharded group, replicated params and their hooks."""
+"""Execute a ShardPlan on a model, in torchtitan's order: storage casts, then one ``fully_shard`` per sharded group
+(children before parents, the root last), then the replicated params with their hooks and gradient reducer."""
 
-from dataclasses import dataclass
-from typing import List, Optional, Set
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Optional, Set
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp.gradients import ReplicatedGradReducer
-from lightning_mixedfsdp.mesh import ParallelMeshes
-from lightning_mixedfsdp.plan import DtypeKey, ShardGroup, ShardPlan
-from lightning_mixedfsdp.replicate import ReplicatedParam, broadcast_from_first_rank, replicate_params
+from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan
+from lightning_mixedfsdp.sharding.replicate import (
+    ReplicatedGradReducer,
+    ReplicatedParam,
+    broadcast_from_first_rank,
+    replicate_params,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass
 class AppliedPlan:
+    """A plan as applied to one model: its replicas, their reducer, and every hook installed (removable)."""
+
     plan: ShardPlan
     replicas: List[ReplicatedParam]
     reducer: ReplicatedGradReducer
+    handles: List[RemovableHandle] = field(default_factory=list)
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
 
 
 def apply_plan(
@@ -26,16 +44,17 @@ def apply_plan(
     device: torch.device,
     reshard_after_forward: bool = True,
 ) -> AppliedPlan:
-    """Shard ``model`` in place as ``plan`` says, children before parents, the root last."""
-    cast_to_planned_storage(model, plan)
+    """Shard ``model`` in place as ``plan`` says."""
+    apply_storage_casts(model, plan)
     params = dict(model.named_parameters())
     ignored = {params[name] for name in plan.replicated_params}
     for group in plan.sharded_groups:
         apply_fully_shard(model, group, meshes.fsdp, reshard_after_forward, ignored)
-    replicas = replicate_params(model, plan, meshes.fsdp, device)
+    handles: List[RemovableHandle] = []
+    replicas = replicate_params(model, plan, meshes.fsdp, device, handles)
     reducer = ReplicatedGradReducer([r.param for r in replicas], meshes.data_parallel.get_group())
-    reducer.attach(model)
-    return AppliedPlan(plan=plan, replicas=replicas, reducer=reducer)
+    handles.extend(reducer.attach(model))
+    return AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, handles=handles)
 
 
 @torch.no_grad()
@@ -46,14 +65,14 @@ def sync_replicas(applied: AppliedPlan, meshes: ParallelMeshes) -> None:
 
 
 @torch.no_grad()
-def cast_to_planned_storage(model: nn.Module, plan: ShardPlan) -> None:
+def apply_storage_casts(model: nn.Module, plan: ShardPlan) -> None:
     for name, param in model.named_parameters():
         storage = plan.params[name].key.storage
         if param.dtype != storage:
             param.data = param.data.to(storage)
 
 
-def mp_policy(key: DtypeKey) -> "torch.distributed.fsdp.MixedPrecisionPolicy":
+def mp_policy(key: DtypeKey) -> "MixedPrecisionPolicy":
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(
@@ -62,7 +81,11 @@ def mp_policy(key: DtypeKey) -> "torch.distributed.fsdp.MixedPrecisionPolicy":
 
 
 def apply_fully_shard(
-    model: nn.Module, group: ShardGroup, mesh: object, reshard_after_forward: bool, ignored: Set[nn.Parameter]
+    model: nn.Module,
+    group: ShardGroup,
+    mesh: "DeviceMesh",
+    reshard_after_forward: bool,
+    ignored: Set[nn.Parameter],
 ) -> None:
     from torch.distributed.fsdp import fully_shard
 

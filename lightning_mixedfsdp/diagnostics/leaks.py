@@ -5,20 +5,23 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp.gradients import tensors_in
-from lightning_mixedfsdp.matching import is_within
+from lightning_mixedfsdp.sharding.matching import is_within
+from lightning_mixedfsdp.sharding.tensors import tensors_in
 
 
 class DtypeLeakWarning(UserWarning):
     """fp32 (or other) activations leak out of modules into the bf16 compute path."""
 
 
-def install_leak_check(model: nn.Module, compute_dtype: torch.dtype, keep_fp32_modules: Sequence[str]) -> None:
+def install_leak_check(
+    model: nn.Module, compute_dtype: torch.dtype, keep_fp32_modules: Sequence[str]
+) -> List[RemovableHandle]:
     """Hook every module but the root and the insides of keep-fp32 modules (which compute in fp32 on purpose); after
-    the first root forward, remove the hooks and warn once, listing every leaking module."""
+    the first root forward, remove the hooks and warn once, listing every leaking module. Returns the handles."""
     leaks: Dict[str, str] = {}
-    handles: List[Any] = []
+    handles: List[RemovableHandle] = []
 
     def record(name: str) -> Any:
         def hook(module: nn.Module, _args: Any, output: Any) -> None:
@@ -48,6 +51,7 @@ def install_leak_check(model: nn.Module, compute_dtype: torch.dtype, keep_fp32_m
         if name and not any(is_within(name, k) and name != k for k in keep_fp32_modules):
             handles.append(module.register_forward_hook(record(name)))
     handles.append(model.register_forward_hook(report))
+    return handles
 
 
 def _user_class_name(module: nn.Module) -> str:

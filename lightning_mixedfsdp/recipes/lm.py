@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics.text import Perplexity
 
-from lightning_mixedfsdp.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:

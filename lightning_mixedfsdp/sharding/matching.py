@@ -6,6 +6,8 @@ from typing import Dict, FrozenSet, Iterable, List, Sequence, Tuple
 
 from torch import nn
 
+from lightning_mixedfsdp.config import MixedFSDPConfig
+
 _HF_ATTRIBUTES = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
 
 
@@ -70,6 +72,11 @@ def find_keep_fp32_params(
 
     unmatched = tuple(rule for rule, count in hits.items() if count == 0)
     return PinnedParams(rule_of=rule_of, strict=frozenset(strict), unmatched_rules=unmatched)
+
+
+def keep_fp32_params_of(model: nn.Module, config: MixedFSDPConfig) -> PinnedParams:
+    """:func:`find_keep_fp32_params` with the config's rules."""
+    return find_keep_fp32_params(model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32)
 
 
 def _hf_matches(model: nn.Module, attribute: str) -> List[Tuple[str, str]]:

@@ -28,7 +28,7 @@ MOE_KEEP_FP32 = [r"experts\.", "e_score_correction_bias"]
 
 def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -70,9 +70,9 @@ def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str
 
 
 def _accumulation_and_clipping(rank: int, world_size: int) -> Dict[str, Any]:
-    from lightning_mixedfsdp.diagnostics import count_collectives
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -112,7 +112,7 @@ def _accumulation_and_clipping(rank: int, world_size: int) -> Dict[str, Any]:
 
 def _unused_expert(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import TinyMoE
+    from lightning_mixedfsdp.recipes.models import TinyMoE
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=MOE_KEEP_FP32))
     torch.manual_seed(0)
@@ -216,8 +216,8 @@ def test_clip_total_norm_equals_the_single_process_reference(results: list) -> N
 
 def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing_deadlocks(results: list) -> None:
     from lightning_mixedfsdp.config import MixedFSDPConfig
-    from lightning_mixedfsdp.models import TinyMoE
     from lightning_mixedfsdp.precision import MixedFSDPPrecision
+    from lightning_mixedfsdp.recipes.models import TinyMoE
 
     rank0, rank1 = (r["moe"] for r in results)
     assert "layers.0.experts.1.weight" in rank0["replicated"]
@@ -242,7 +242,7 @@ def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing
 
 
 def _install_expert_casts(model: torch.nn.Module) -> None:
-    from lightning_mixedfsdp.replicate import install_cast_hooks
+    from lightning_mixedfsdp.sharding.replicate import install_cast_hooks
 
     for expert in model.layers[0].experts:
         install_cast_hooks(expert, torch.float32, torch.bfloat16)

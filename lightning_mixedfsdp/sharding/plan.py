@@ -1,20 +1,19 @@
 """The planner: model + config -> ShardPlan. Pure: reads the model, never changes it, issues no collectives."""
 
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, BulkDtypes, MixedFSDPConfig, resolve_bulk_dtypes
-from lightning_mixedfsdp.matching import (
+from lightning_mixedfsdp.sharding.matching import (
     PinnedParams,
     class_matches,
     find_frozen_modules,
-    find_keep_fp32_params,
     is_within,
+    keep_fp32_params_of,
 )
 
 ROOT = ""
@@ -30,8 +29,8 @@ class DtypeKey:
     output: Optional[torch.dtype] = None
 
     def __str__(self) -> str:
-        text = f"{_short(self.storage)}/{_short(self.compute)}/{_short(self.reduce)}"
-        return f"{text}->{_short(self.output)}" if self.output is not None else text
+        text = f"{short_dtype(self.storage)}/{short_dtype(self.compute)}/{short_dtype(self.reduce)}"
+        return f"{text}->{short_dtype(self.output)}" if self.output is not None else text
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,9 @@ class ShardPlan:
 
     def report(self) -> str:
         """The dtype report: one row per parameter, repeated blocks collapsed to ``layers.*``."""
-        return _format_report(self)
+        from lightning_mixedfsdp.sharding.report import format_report
+
+        return format_report(self)
 
     def __str__(self) -> str:
         return self.report()
@@ -119,9 +120,7 @@ def plan_sharding(model: nn.Module, config: MixedFSDPConfig, precision: str = "3
     """Resolve every parameter's storage/compute/reduce dtype and FSDP group for ``model``."""
     config.validate()
     bulk = resolve_bulk_dtypes(config.storage, config.compute_dtype, config.reduce_dtype, precision)
-    pinned = find_keep_fp32_params(
-        model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32
-    )
+    pinned = keep_fp32_params_of(model, config)
     units = find_wrap_units(model, config.wrap_units)
     frozen = find_frozen_modules(model) if config.pin_frozen_modules else []
     return build_plan(model, bulk, pinned, units, config.replicate_below_bytes, frozen)
@@ -180,17 +179,14 @@ def build_plan(
     unit_set = set(units)
     owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
     module_owner = {name: _owning_unit(name, unit_set) for name, _ in model.named_modules()}
-    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))}
+    containers = frozenset(n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)))
 
+    context = _ModelFacts(params, keys, pinned, module_owner, containers, bulk, replicate_below_bytes)
     groups: List[ShardGroup] = []
     group_of: Dict[str, str] = {}
     replicated: set = set()
     for unit in [*units, ROOT]:
-        unit_params = [n for n in params if owner[n] == unit]
-        unit_groups = _plan_unit(
-            unit, unit_params, params, keys, module_owner, replicate_below_bytes, bulk, containers, pinned
-        )
-        for group in unit_groups:
+        for group in _plan_unit(unit, [n for n in params if owner[n] == unit], context):
             groups.append(group)
             for name in group.params:
                 group_of[name] = group.name
@@ -226,17 +222,23 @@ def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
     return tuple(warnings)
 
 
-def _plan_unit(
-    unit: str,
-    unit_params: List[str],
-    params: Dict[str, nn.Parameter],
-    keys: Dict[str, DtypeKey],
-    module_owner: Dict[str, str],
-    replicate_below_bytes: int,
-    bulk: BulkDtypes,
-    containers: set,
-    pinned: PinnedParams,
-) -> List[ShardGroup]:
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What the planner reads of the model once, shared by every unit."""
+
+    params: Dict[str, nn.Parameter]
+    keys: Dict[str, DtypeKey]
+    pinned: PinnedParams
+    module_owner: Dict[str, str]
+    """Qualified module name -> the unit that owns it."""
+    containers: FrozenSet[str]
+    """ModuleList/ModuleDict names: never called, so never a group member."""
+    bulk: BulkDtypes
+    replicate_below_bytes: int
+
+
+def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[ShardGroup]:
+    params, keys, pinned = facts.params, facts.keys, facts.pinned
     # trainable params decide groups; frozen pinned params too, so a frozen norm still computes in fp32
     keyed = [n for n in unit_params if params[n].requires_grad or n in pinned]
     trainable = [n for n in keyed if params[n].requires_grad]
@@ -247,7 +249,9 @@ def _plan_unit(
     for name in keyed:
         size_by_key.setdefault(keys[name], 0)
     # first-seen order breaks ties deterministically
-    majority = max(size_by_key, key=lambda k: size_by_key[k]) if size_by_key else _default_key(unit_params, keys, bulk)
+    majority = (
+        max(size_by_key, key=lambda k: size_by_key[k]) if size_by_key else _default_key(unit_params, keys, facts.bulk)
+    )
 
     groups: List[ShardGroup] = []
     taken: set = set()
@@ -255,7 +259,7 @@ def _plan_unit(
         if key == majority:
             continue
         key_params = [n for n in keyed if keys[n] == key]
-        modules = _maximal_uniform_modules(unit, key, keyed, keys, module_owner, containers)
+        modules = _maximal_uniform_modules(unit, key, keyed, keys, facts.module_owner, facts.containers)
         covered = [n for n in unit_params if any(is_within(n, m) for m in modules)]
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
@@ -265,7 +269,7 @@ def _plan_unit(
         if modules:
             name = f"{unit or '<root>'}[{','.join(_relative(m, unit) for m in modules)}]"
             nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
-            if nbytes < replicate_below_bytes:
+            if nbytes < facts.replicate_below_bytes:
                 group_params = tuple(n for n in covered if n in keyed)
                 groups.append(
                     ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small")
@@ -286,7 +290,7 @@ def _maximal_uniform_modules(
     keyed: List[str],
     keys: Dict[str, DtypeKey],
     module_owner: Dict[str, str],
-    containers: set,
+    containers: FrozenSet[str],
 ) -> List[str]:
     """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose keyed params (trainable
     or pinned) all have ``key``."""
@@ -355,50 +359,6 @@ def _numel(shape: Tuple[int, ...]) -> int:
     return total
 
 
-def _short(dtype: Optional[torch.dtype]) -> str:
+def short_dtype(dtype: Optional[torch.dtype]) -> str:
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
     return names.get(dtype, str(dtype).replace("torch.", "")) if dtype is not None else "-"
-
-
-_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=[.\[:,\]]|$)")
-
-
-def _collapse(name: str) -> str:
-    return _INDEX.sub("*", name)
-
-
-def _format_report(plan: ShardPlan) -> str:
-    rows: Dict[tuple, int] = {}
-    for p in plan.params.values():
-        placement = "replicated" if p.replicated else "sharded"
-        frozen = "" if p.requires_grad else " (frozen)"
-        row = (
-            _collapse(p.name) + frozen,
-            "x".join(map(str, p.shape)) or "scalar",
-            _short(p.key.storage),
-            _short(p.key.compute),
-            _short(p.key.reduce),
-            placement,
-            _collapse(p.group),
-            p.rule or "-",
-        )
-        rows[row] = rows.get(row, 0) + 1
-    header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
-    table = [header] + [(f"{r[0]} x{n}" if n > 1 else r[0], *r[1:]) for r, n in rows.items()]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    sharded, replicated = plan.sharded_groups, plan.replicated_groups
-    total_bytes = sum(p.nbytes for p in plan.params.values())
-    bulk = plan.bulk
-    summary = [
-        f"mixed_fsdp2 dtype plan: {len(plan.params)} params ({total_bytes / 2**20:.2f} MiB),"
-        f" {len(sharded)} sharded groups, {len(replicated)} replicated groups"
-        f" ({sum(plan.params[p].nbytes for p in plan.replicated_params) / 2**10:.1f} KiB replicated)",
-        f"bulk: storage {_short(bulk.storage) if bulk.storage else 'as loaded'},"
-        f" compute {_short(bulk.compute) if bulk.compute else 'own dtype'},"
-        f" reduce {_short(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
-        "collectives per step (predicted): " + ", ".join(f"{k} {v}" for k, v in plan.predicted_collectives().items()),
-    ]
-    warnings = [f"warning: {w}" for w in plan.warnings]
-    return "\n".join(summary + [""] + lines + ([""] + warnings if warnings else []))

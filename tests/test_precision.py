@@ -26,8 +26,8 @@ META_SEED = 123
 
 
 def _tower_run(world_size: int, pin: bool) -> Dict[str, Any]:
+    from lightning_mixedfsdp.diagnostics.leaks import DtypeLeakWarning
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.leaks import DtypeLeakWarning
 
     strategy = MixedFSDP2Strategy(wrap_units=TOWER_UNITS, pin_frozen_modules=pin, check_dtype_leaks=True)
     fabric = make_fabric(world_size, "bf16-mixed", strategy)
@@ -51,7 +51,7 @@ def _tower_run(world_size: int, pin: bool) -> Dict[str, Any]:
 
 def _meta_init(world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     with fabric.init_module(empty_init=True):
@@ -70,8 +70,8 @@ def _meta_init(world_size: int) -> Dict[str, Any]:
 def _rank0_load(world_size: int, checkpoint: str) -> Dict[str, Any]:
     import safetensors.torch
 
+    from lightning_mixedfsdp.checkpoint.load import load_full_weights
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.loading import load_full_weights
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(wrap_units=TOWER_UNITS, init_meta_params=False))
     with fabric.init_module(empty_init=True):
@@ -192,9 +192,9 @@ def test_leak_check_names_the_leaking_modules_when_frozen_pinning_is_off(results
 
 def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> None:
     from lightning_mixedfsdp import MixedFSDPConfig
-    from lightning_mixedfsdp.loading import init_meta_module_
-    from lightning_mixedfsdp.models import TinyLlama
+    from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
     from lightning_mixedfsdp.precision import MixedFSDPPrecision
+    from lightning_mixedfsdp.recipes.models import TinyLlama
 
     with torch.device("meta"):
         reference = TinyLlama(MIXER)

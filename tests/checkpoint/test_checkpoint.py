@@ -24,7 +24,7 @@ from tests.scenarios import (
 
 MODES = {"sharded": True, "full": False}
 SAVE_AT, STEPS = 3, 6
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup(world_size: int, distributed_checkpoint: bool, seed: int = 0) -> Any:
@@ -41,7 +41,7 @@ def _setup(world_size: int, distributed_checkpoint: bool, seed: int = 0) -> Any:
 def _step(fabric: Any, model: Any, optimizer: Any, step: int) -> float:
     import torch.distributed as dist
 
-    from lightning_mixedfsdp.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
     data_parallel = fabric.strategy.meshes.data_parallel
     # the same global batch of 2 ranks' worth, split over however many ranks this run has
@@ -150,7 +150,7 @@ def test_one_rank_checkpoints_load_on_two_ranks(two_ranks: list, two_from_one: l
 
 
 def test_export_keeps_the_plans_fp32_params_fp32_and_the_rest_in_the_save_dtype(two_ranks: list, folder: Path) -> None:
-    from lightning_mixedfsdp.loading import load_weights
+    from lightning_mixedfsdp.checkpoint.load import load_weights
 
     exported = load_file(str(folder / "export" / "model.safetensors"))
     params = two_ranks[0]["exported_from"]
@@ -173,7 +173,7 @@ def test_export_keeps_the_plans_fp32_params_fp32_and_the_rest_in_the_save_dtype(
 def test_export_with_patterns_and_a_shard_limit_writes_an_index(two_ranks: list, folder: Path) -> None:
     import json
 
-    from lightning_mixedfsdp.loading import read_state_dict
+    from lightning_mixedfsdp.checkpoint.load import read_state_dict
 
     directory = folder / "export-sharded"
     index = json.loads((directory / "model.safetensors.index.json").read_text())

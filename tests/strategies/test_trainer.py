@@ -16,7 +16,7 @@ WORLD = 2
 def _module(build_in_configure_model: bool = False, seed: int = 0, batches_by_step: bool = False) -> Any:
     import lightning.pytorch as pl
 
-    from lightning_mixedfsdp.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
     class LlamaModule(pl.LightningModule):
         def __init__(self) -> None:
@@ -59,7 +59,7 @@ def _recorder() -> Any:
     import lightning.pytorch as pl
     import torch.distributed as dist
 
-    from lightning_mixedfsdp.diagnostics import count_collectives
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 
     class Recorder(pl.Callback):
         def __init__(self) -> None:

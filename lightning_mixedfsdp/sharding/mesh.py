@@ -25,13 +25,18 @@ class ParallelMeshes:
 
 
 def build_parallel_meshes(
-    device_type: str, replicate_size: int, shard_size: int, tensor_parallel_size: int, world_size: int
+    device_type: str,
+    replicate_size: int,
+    shard_size: int,
+    tensor_parallel_size: int,
+    world_size: int,
+    owner: str = "mixed_fsdp2",
 ) -> ParallelMeshes:
     from torch.distributed.device_mesh import init_device_mesh
 
     if replicate_size * shard_size * tensor_parallel_size != world_size:
         raise ValueError(
-            f"MixedFSDP2Strategy: data_parallel_replicate_size={replicate_size} x data_parallel_size={shard_size}"
+            f"{owner}: data_parallel_replicate_size={replicate_size} x data_parallel_size={shard_size}"
             f" x tensor_parallel_size={tensor_parallel_size} must equal the world size ({world_size});"
             " change the sizes or the number of devices/nodes."
         )

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipe import Recipe, RecipeError, load_recipe
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "conf").glob("*.yaml"))
 
 

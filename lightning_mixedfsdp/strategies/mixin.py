@@ -1,30 +1,35 @@
-"""What the Fabric and Trainer strategies share: config intake, precision translation, sharding a module."""
+"""What the Fabric and Trainer strategies share: config intake, precision adoption, meshes, sharding a module (the
+orchestration of plan -> apply -> materialise), atomic checkpoints and export."""
 
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 from weakref import WeakKeyDictionary
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
-from lightning_mixedfsdp.apply import AppliedPlan, apply_plan, sync_replicas
-from lightning_mixedfsdp.checkpoint import commit, export_model, is_sharded_checkpoint, recover, temp_sibling
-from lightning_mixedfsdp.config import SUPPORTED_PRECISIONS, MixedFSDPConfig
-from lightning_mixedfsdp.leaks import install_leak_check
-from lightning_mixedfsdp.loading import has_meta_tensors, materialize_sharded, meta_template
-from lightning_mixedfsdp.matching import keep_fp32_module_names
-from lightning_mixedfsdp.mesh import ParallelMeshes, build_parallel_meshes
-from lightning_mixedfsdp.plan import ShardPlan, plan_sharding
+from lightning_mixedfsdp.checkpoint.atomic import commit, is_sharded_checkpoint, recover, temp_sibling
+from lightning_mixedfsdp.checkpoint.export import export_model
+from lightning_mixedfsdp.checkpoint.meta import has_meta_tensors, materialize_sharded, meta_template
+from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
+from lightning_mixedfsdp.sharding.matching import keep_fp32_module_names
+from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes
+from lightning_mixedfsdp.sharding.names import unwrap_model
+from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
 
 STRATEGY_NAME = "mixed_fsdp2"
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
+ParallelizeFn = Callable[[nn.Module, Any], nn.Module]
 
 
 def make_config(config: ConfigInput, fields: Dict[str, Any], owner: str) -> MixedFSDPConfig:
@@ -38,20 +43,21 @@ def make_config(config: ConfigInput, fields: Dict[str, Any], owner: str) -> Mixe
 
 
 def adopt_precision(
-    plugin: Optional[Precision], config: MixedFSDPConfig, owner: str, plugin_class: type = MixedFSDPPrecision
+    plugin: Optional[Precision],
+    config: MixedFSDPConfig,
+    owner: str,
+    plugin_class: Type[MixedFSDPPrecision],
+    translatable: Tuple[type, ...],
 ) -> Optional[Precision]:
-    """Translate Lightning's precision plugins (built from a precision flag) into ours (``plugin_class``)."""
+    """Translate the Lightning precision plugins built from a precision flag (exactly the ``translatable`` classes)
+    into ``plugin_class``; refuse any other plugin."""
     if plugin is None or isinstance(plugin, plugin_class):
         return plugin
     flag = getattr(plugin, "precision", None)
-    if (
-        type(plugin).__name__ not in ("Precision", "HalfPrecision", "MixedPrecision")
-        or flag not in SUPPORTED_PRECISIONS
-    ):
+    if type(plugin) not in translatable or precision_problem(flag) is not None:
         raise ValueError(
             f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r})."
-            f" Use precision= one of {list(SUPPORTED_PRECISIONS)}; fp16 needs a sharded gradient scaler that"
-            " FSDP2 does not provide."
+            f" {precision_problem(flag) or 'Pass a precision flag instead of a custom plugin.'}"
         )
     return plugin_class(flag, config)
 
@@ -93,10 +99,11 @@ class ShardedModules:
         config: MixedFSDPConfig,
         precision: MixedFSDPPrecision,
         meshes: ParallelMeshes,
-        device: Any,
-        parallelize: Callable[[nn.Module, Any], nn.Module],
+        device: torch.device,
+        parallelize: ParallelizeFn,
     ) -> nn.Module:
-        """Meta template, storage casts, the user's parallelize_fn, then the dtype plan on the data-parallel mesh."""
+        """Meta template, storage casts, the user's parallelize_fn, the dtype plan on the data-parallel mesh, then the
+        materialisation of a meta model and the optional leak check."""
         import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
 
@@ -125,12 +132,12 @@ class ShardedModules:
             sync_replicas(applied, meshes)
         if config.check_dtype_leaks and plan.bulk.compute is not None:
             keep_fp32 = keep_fp32_module_names(module, config.keep_fp32_modules)
-            install_leak_check(module, plan.bulk.compute, keep_fp32)
+            applied.handles.extend(install_leak_check(module, plan.bulk.compute, keep_fp32))
         self._applied[module] = applied
         return module
 
     def plan_of(self, module: nn.Module) -> ShardPlan:
-        module = getattr(module, "_forward_module", module)
+        module = unwrap_model(module)
         if module not in self._applied:
             raise KeyError(f"{type(module).__name__} was not set up by the {STRATEGY_NAME} strategy.")
         return self._applied[module].plan
@@ -160,8 +167,9 @@ class ShardedModules:
 
 class MixedFSDP2Mixin:
     """The parts of the Fabric and Trainer strategies that are the same: meshes, sampler, atomic checkpoints, plans
-    and export. Mixed in before Lightning's ModelParallelStrategy of either package."""
+    and export. Mixed in before Lightning's ModelParallelStrategy of either package (``_lightning_strategy``)."""
 
+    _lightning_strategy: type
     _config: MixedFSDPConfig
     _meshes: Optional[ParallelMeshes]
     _sharded: ShardedModules
@@ -178,6 +186,7 @@ class MixedFSDP2Mixin:
         self._sharded = ShardedModules()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(
@@ -195,15 +204,28 @@ class MixedFSDP2Mixin:
         return self._meshes
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict:
         mesh = self.meshes.data_parallel
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's ModelParallelStrategy would build its own 2-D mesh; ours adds the replicate dim (HSDP)
+        super(self._lightning_strategy, self).setup_environment()  # the accelerator's device setup
+        self._setup_distributed()
+        self._build_meshes()
 
     def _build_meshes(self) -> ParallelMeshes:
         shard = shard_size(self._data_parallel_size, self._replicate_size, self._tensor_parallel_size, self.world_size)
         self._data_parallel_size = shard
         self._meshes = build_parallel_meshes(
-            self.root_device.type, self._replicate_size, shard, self._tensor_parallel_size, self.world_size
+            self.root_device.type,
+            self._replicate_size,
+            shard,
+            self._tensor_parallel_size,
+            self.world_size,
+            owner=type(self).__name__,
         )
         self._device_mesh = self._meshes.root
         return self._meshes
@@ -226,8 +248,9 @@ class MixedFSDP2Mixin:
         keep = [name for name, p in plan.params.items() if p.rule is not None]
         return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
 
-    def _save_atomically(self, path: Path, save: Callable[[Path], None]) -> None:
-        """Write with ``save`` beside ``path``, then commit by rename on rank 0: a kill leaves a complete checkpoint."""
+    def _save_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
+        """Write with ``write`` beside ``path``, then commit by rename on rank 0: a kill leaves a whole checkpoint."""
+        path = Path(self.broadcast(path))
         if path.is_dir() and not self._save_distributed_checkpoint and not is_sharded_checkpoint(path):
             raise IsADirectoryError(
                 f"{type(self).__name__}: the checkpoint path {str(path)!r} is a directory that is not a checkpoint;"
@@ -235,13 +258,16 @@ class MixedFSDP2Mixin:
             )
         token = self.broadcast(uuid.uuid4().hex[:12])
         temp = temp_sibling(path, token)
-        save(temp)
+        write(temp)
         self.barrier()
         if self.global_rank == 0:
             commit(temp, path, token)
         self.barrier()
 
-    def _recover_before_load(self, path: Path) -> None:
+    def _recovered(self, path: Any) -> Path:
+        """``path``, with the previous checkpoint put back first if a kill fell inside a commit."""
+        path = Path(self.broadcast(path))
         if self.global_rank == 0:
             recover(path)
         self.barrier()
+        return path

@@ -35,8 +35,8 @@ def _fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> A
 def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
-    from lightning_mixedfsdp.diagnostics import count_collectives
-    from lightning_mixedfsdp.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 
     fabric = _fabric(world_size, precision)
     torch.manual_seed(0)
@@ -74,8 +74,8 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
 
 def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> Dict[str, int]:
     """Collectives of one forward+backward after a warm-up step (FSDP initialises lazily)."""
-    from lightning_mixedfsdp.diagnostics import count_collectives
-    from lightning_mixedfsdp.models import causal_lm_loss
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+    from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
     for step in range(2):
         tokens = rank_slice(global_batch(world_size, step), rank, world_size)
@@ -87,7 +87,7 @@ def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> 
 
 def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models import TinyLlama
 
     out: Dict[str, Any] = {}
     variants = {"uniform_bf16": dict(keep_fp32_modules=[]), "grouped_sharded": dict(replicate_below_bytes=0)}
@@ -107,7 +107,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def _train_issue_156784(rank: int, world_size: int, strategy: Any) -> Dict[str, Any]:
-    from lightning_mixedfsdp.models import Issue156784Model
+    from lightning_mixedfsdp.recipes.models import Issue156784Model
 
     fabric = _fabric(world_size, "32-true", strategy)
     torch.manual_seed(0)

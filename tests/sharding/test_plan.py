@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp import MixedFSDPConfig, find_keep_fp32_params, plan_sharding
-from lightning_mixedfsdp.models import RMSNorm, TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama, TinyLlamaConfig
 
 SMALL = TinyLlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=32)
 
