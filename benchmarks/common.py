@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from benchmarks.baselines import shard_each_norm_separately, shard_uniform
-from lightning_mixedfsdp import MixedFSDPConfig
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.sharding.apply import apply_dtypes
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
 from lightning_mixedfsdp.strategies.mixin import ShardedModules
 
@@ -53,11 +53,11 @@ def build_sharded(config: str, model_config: TinyLlamaConfig, kind: str, device:
     if config == "b":
         return shard_uniform(model, meshes.fsdp, torch.bfloat16, torch.float32)
     if config == "c":
-        MixedFSDPPrecision("bf16-true").cast_to_storage(model)
+        apply_dtypes(model, plan_sharding(model, MixedFSDPConfig(), "bf16-true"))
         return shard_each_norm_separately(model, meshes.fsdp)
     fields = {"replicate_below_bytes": 0} if config == "d" else {}
     mixed = MixedFSDPConfig(**fields)
-    return ShardedModules().shard(model, mixed, MixedFSDPPrecision("bf16-true", mixed), meshes, device, lambda m, _: m)
+    return ShardedModules().shard(model, mixed, mixed.bulk_dtypes("bf16-true"), meshes, device, lambda m, _: m)
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -16,7 +16,6 @@ from torchmetrics.text import Perplexity
 
 from benchmarks.common import device_type, init_process_group
 from lightning_mixedfsdp import MixedFSDPConfig
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.lm import warmup_cosine
@@ -50,7 +49,7 @@ def train(
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if any(w in n for w in WATCHED)}
     meshes = build_parallel_meshes(kind, 1, world, 1, world)
     model = ShardedModules().shard(
-        model.to(device), config, MixedFSDPPrecision(precision, config), meshes, device, lambda m, _: m
+        model.to(device), config, config.bulk_dtypes(precision), meshes, device, lambda m, _: m
     )
 
     train_bytes, held_out = split_corpus(stdlib_files(), held_out_every=10, max_bytes=4_000_000)

@@ -13,7 +13,6 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
@@ -47,9 +46,7 @@ def shard_seconds(rank: int, world_size: int, layers: int, repeats: int, kind: s
         config = MixedFSDPConfig()
         sync()
         start = time.perf_counter()
-        model = ShardedModules().shard(
-            model, config, MixedFSDPPrecision("bf16-true", config), meshes, device, lambda m, _: m
-        )
+        model = ShardedModules().shard(model, config, config.bulk_dtypes("bf16-true"), meshes, device, lambda m, _: m)
         sync()
         shard_times.append(time.perf_counter() - start)
         tokens = torch.randint(0, 256, (1, 16), device=device)

@@ -6,7 +6,8 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "LayerNorm")
+DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "LayerNorm", "RotaryEmbedding")
+DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -48,15 +49,20 @@ class MixedFSDPConfig:
     ``"bf16"`` or ``"fp32"``. Pinned params always reduce in fp32."""
 
     keep_fp32_modules: List[str] = field(default_factory=lambda: list(DEFAULT_KEEP_FP32_MODULES))
-    """Modules whose params stay fp32. A plain name is a class-name suffix (``"RMSNorm"`` matches ``LlamaRMSNorm``);
-    a dotted name is a qualified class path matched exactly (``"my_pkg.layers.Router"``). Set ``[]`` to pin none."""
+    """Modules whose params and buffers stay fp32. A plain name is a class-name suffix (``"RMSNorm"`` matches
+    ``LlamaRMSNorm``, ``"RotaryEmbedding"`` every HF rotary embedding); a dotted name is a qualified class path matched
+    exactly (``"my_pkg.layers.Router"``). Set ``[]`` to pin none."""
 
     keep_fp32_params: List[str] = field(default_factory=list)
-    """Regular expressions searched in qualified parameter names (``r"\\.A_log$"``); matching params stay fp32."""
+    """Regular expressions searched in qualified param and buffer names (``r"\\.A_log$"``); matches stay fp32."""
 
     honor_hf_keep_in_fp32: bool = True
-    """Pin the params named by HF ``_keep_in_fp32_modules`` / ``_keep_in_fp32_modules_strict`` of the model and its
-    submodules, also for bf16 (transformers itself applies the non-strict list only for fp16)."""
+    """Keep the params and buffers named by HF ``_keep_in_fp32_modules`` fp32 under every precision flag
+    (transformers itself applies that list only for fp16). ``_keep_in_fp32_modules_strict`` is always honoured."""
+
+    cast_buffers: bool = False
+    """Cast the floating buffers no rule covers to the bulk storage dtype, as Lightning's own ``bf16-true`` does. Off:
+    a buffer keeps the dtype the model built it in (RoPE ``inv_freq`` stays fp32), except in fully frozen modules."""
 
     wrap_units: Optional[List[str]] = None
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
@@ -127,6 +133,10 @@ class MixedFSDPConfig:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise MixedFSDPConfigError(f"MixedFSDPConfig has {len(problems)} problem(s):\n{listed}")
         return self
+
+    def bulk_dtypes(self, precision: str) -> "BulkDtypes":
+        """The bulk dtypes for a Lightning precision flag: the one place they are resolved."""
+        return resolve_bulk_dtypes(self.storage, self.compute_dtype, self.reduce_dtype, precision)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "MixedFSDPConfig":

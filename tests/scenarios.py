@@ -5,8 +5,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.sharding.apply import apply_dtypes
 from lightning_mixedfsdp.sharding.replicate import install_cast_hooks
 
 LLAMA = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
@@ -31,13 +31,13 @@ def reference_model(
 ) -> nn.Module:
     """One process, the dtypes the plan gives: storage per precision, norms (and matched params) in fp32, norm
     inputs cast to fp32 and outputs to the compute dtype, like the FSDP groups do."""
-    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 
     torch.manual_seed(seed)
     model = TinyLlama(config)
-    plugin = MixedFSDPPrecision(precision, MixedFSDPConfig(keep_fp32_params=keep_fp32_params or []))
-    plugin.cast_to_storage(model)
-    compute = plugin.bulk.compute
+    plan = plan_sharding(model, MixedFSDPConfig(keep_fp32_params=keep_fp32_params or []), precision)
+    apply_dtypes(model, plan)
+    compute = plan.bulk.compute
     if compute is not None:
         for module in model.modules():
             if isinstance(module, RMSNorm):

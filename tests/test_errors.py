@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision
+from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision, plan_sharding
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+from lightning_mixedfsdp.sharding.apply import apply_dtypes
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
 
 
@@ -127,7 +128,7 @@ def test_bf16_true_conversion_keeps_norms_and_pinned_params_fp32() -> None:
     model.norm = nn.LayerNorm(4)
     model.proj = nn.Linear(4, 4)
     model.A_log = nn.Parameter(torch.randn(4))
-    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=["A_log"])).cast_to_storage(model)
+    apply_dtypes(model, plan_sharding(model, MixedFSDPConfig(keep_fp32_params=["A_log"]), "bf16-true"))
     assert {n: p.dtype for n, p in model.named_parameters()} == {
         "A_log": torch.float32,
         "norm.weight": torch.float32,

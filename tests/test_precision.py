@@ -191,16 +191,16 @@ def test_leak_check_names_the_leaking_modules_when_frozen_pinning_is_off(results
 
 
 def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> None:
-    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
     from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
-    from lightning_mixedfsdp.precision import MixedFSDPPrecision
     from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.sharding.apply import apply_dtypes
 
     with torch.device("meta"):
         reference = TinyLlama(MIXER)
     torch.manual_seed(META_SEED)
     init_meta_module_(reference)
-    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=A_LOG)).cast_to_storage(reference)
+    apply_dtypes(reference, plan_sharding(reference, MixedFSDPConfig(keep_fp32_params=A_LOG), "bf16-true"))
     for result in results:
         for name, expected in reference.state_dict().items():
             got = result["meta"]["values"][name]

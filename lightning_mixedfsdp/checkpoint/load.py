@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.sharding.matching import keep_fp32_params_of
+from lightning_mixedfsdp.sharding.matching import KeepFp32Rules, match_keep_fp32
 from lightning_mixedfsdp.sharding.names import unwrap_model
 
 PathLike = Union[str, Path]
@@ -54,16 +54,24 @@ def _read_export_folder(folder: Path) -> Dict[str, Tensor]:
     return state
 
 
-def dtype_aware(state_dict: Dict[str, Tensor], pinned: Collection[str], requested: torch.dtype) -> Dict[str, Tensor]:
+def dtype_aware(
+    state_dict: Dict[str, Tensor],
+    pinned: Collection[str],
+    requested: torch.dtype,
+    buffer_dtypes: Optional[Dict[str, torch.dtype]] = None,
+) -> Dict[str, Tensor]:
     """Cast to ``requested``; pinned entries get the promotion of their checkpoint dtype with the request, so an
-    fp32 ``A_log`` stays fp32 in a bf16 load and an explicit fp32 request makes everything fp32."""
+    fp32 ``A_log`` stays fp32 in a bf16 load and an explicit fp32 request makes everything fp32. Buffers no rule
+    pins keep the dtype the model built them in (``buffer_dtypes``), as the dtype plan does."""
+    buffer_dtypes = buffer_dtypes or {}
     out = {}
     for name, tensor in state_dict.items():
         if not tensor.is_floating_point():
             out[name] = tensor
-            continue
-        target = torch.promote_types(tensor.dtype, requested) if name in pinned else requested
-        out[name] = tensor.to(target)
+        elif name in pinned:
+            out[name] = tensor.to(torch.promote_types(tensor.dtype, requested))
+        else:
+            out[name] = tensor.to(buffer_dtypes.get(name, requested))
     return out
 
 
@@ -76,8 +84,9 @@ def load_weights(
     """Load into an unsharded model (meta or not), dtype-aware; the model's params take the loaded dtypes."""
     config = config or MixedFSDPConfig()
     state = read_state_dict(source) if isinstance(source, (str, Path)) else source
-    pinned = keep_fp32_params_of(model, config)
-    model.load_state_dict(dtype_aware(state, pinned.rule_of, dtype), strict=True, assign=True)
+    pinned = match_keep_fp32(model, KeepFp32Rules.of(config))
+    buffers = {name: b.dtype for name, b in model.named_buffers() if b.is_floating_point()}
+    model.load_state_dict(dtype_aware(state, pinned.rule_of, dtype, buffers), strict=True, assign=True)
     return model
 
 

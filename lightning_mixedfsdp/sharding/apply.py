@@ -1,14 +1,16 @@
-"""Execute a ShardPlan on a model, in torchtitan's order: storage casts, then one ``fully_shard`` per sharded group
-(children before parents, the root last), then the replicated params with their hooks and gradient reducer."""
+"""Execute a ShardPlan on a model, in torchtitan's order: the planned dtypes, the user's ``parallelize_fn`` (tensor
+parallelism), then one ``fully_shard`` per sharded group (children before parents, the root last), then the
+replicated params with their hooks and gradient reducer. Every side effect of the library on a model lives here."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan
 from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
@@ -42,19 +44,64 @@ def apply_plan(
     plan: ShardPlan,
     meshes: ParallelMeshes,
     device: torch.device,
+    parallelize: Callable[[nn.Module, Any], nn.Module],
     reshard_after_forward: bool = True,
-) -> AppliedPlan:
-    """Shard ``model`` in place as ``plan`` says."""
-    apply_storage_casts(model, plan)
-    params = dict(model.named_parameters())
+) -> Tuple[nn.Module, Optional[AppliedPlan]]:
+    """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
+    when the user's ``parallelize`` shards with FSDP itself."""
+    apply_dtypes(model, plan)
+    model = apply_parallelize(model, parallelize, meshes.root)
+    if _already_sharded(model):
+        return model, None
+    check_plan_fits(model, plan)
+    index = ModuleIndex(model)
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
     ignored = {params[name] for name in plan.replicated_params}
     for group in plan.sharded_groups:
-        apply_fully_shard(model, group, meshes.fsdp, reshard_after_forward, ignored)
+        apply_fully_shard(index, group, meshes.fsdp, reshard_after_forward, ignored)
     handles: List[RemovableHandle] = []
-    replicas = replicate_params(model, plan, meshes.fsdp, device, handles)
+    replicas = replicate_params(model, index, plan, meshes.fsdp, device, handles)
     reducer = ReplicatedGradReducer([r.param for r in replicas], meshes.data_parallel.get_group())
     handles.extend(reducer.attach(model))
-    return AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, handles=handles)
+    return model, AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, handles=handles)
+
+
+@torch.no_grad()
+def apply_dtypes(model: nn.Module, plan: ShardPlan) -> nn.Module:
+    """Cast every param and floating buffer to the dtype the plan gave it: the one cast the library makes."""
+    for name, param in model.named_parameters():
+        storage = plan.params[canonical_name(name)].key.storage
+        if param.dtype != storage:
+            param.data = param.data.to(storage)
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            planned = plan.buffers.get(canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name))
+            if planned is not None and buffer.dtype != planned.dtype:
+                module._buffers[buffer_name] = buffer.to(planned.dtype)
+    return model
+
+
+def apply_parallelize(
+    model: nn.Module, parallelize: Callable[[nn.Module, Any], nn.Module], mesh: "DeviceMesh"
+) -> nn.Module:
+    """The user's ``parallelize_fn`` (tensor parallelism, or their own wrappers) on the full mesh."""
+    parallelized = parallelize(model, mesh)
+    if not isinstance(parallelized, nn.Module):
+        raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(parallelized).__name__}.")
+    return parallelized
+
+
+def check_plan_fits(model: nn.Module, plan: ShardPlan) -> None:
+    """The plan is made before ``parallelize_fn``; wrappers and tensor parallelism keep canonical names, anything that
+    adds or removes params would leave some without a planned dtype."""
+    names = {canonical_name(n) for n, _ in model.named_parameters()}
+    added, removed = sorted(names - set(plan.params)), sorted(set(plan.params) - names)
+    if added or removed:
+        raise ValueError(
+            f"mixed_fsdp2 planned dtypes before `parallelize_fn`, which then added params {added[:5]} and removed"
+            f" {removed[:5]}. Change the model's params before `setup` (and keep `parallelize_fn` to tensor"
+            " parallelism and wrappers)."
+        )
 
 
 @torch.no_grad()
@@ -62,14 +109,6 @@ def sync_replicas(applied: AppliedPlan, meshes: ParallelMeshes) -> None:
     """Replicas start identical on every data-parallel rank (rank 0's values), however each rank initialised them."""
     if applied.replicas:
         broadcast_from_first_rank([r.param.to_local() for r in applied.replicas], meshes.data_parallel.get_group())
-
-
-@torch.no_grad()
-def apply_storage_casts(model: nn.Module, plan: ShardPlan) -> None:
-    for name, param in model.named_parameters():
-        storage = plan.params[name].key.storage
-        if param.dtype != storage:
-            param.data = param.data.to(storage)
 
 
 def mp_policy(key: DtypeKey) -> "MixedPrecisionPolicy":
@@ -81,7 +120,7 @@ def mp_policy(key: DtypeKey) -> "MixedPrecisionPolicy":
 
 
 def apply_fully_shard(
-    model: nn.Module,
+    index: ModuleIndex,
     group: ShardGroup,
     mesh: "DeviceMesh",
     reshard_after_forward: bool,
@@ -89,10 +128,17 @@ def apply_fully_shard(
 ) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    modules = [model.get_submodule(name) for name in group.modules]
+    # on the outermost module of each name: a checkpoint or compile wrapper, as torchtitan shards them
+    modules = [index.outer[name] for name in group.modules]
     # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward)
     reshard: Optional[bool] = None if group.is_root and reshard_after_forward else reshard_after_forward
     target = modules[0] if len(modules) == 1 else modules
     fully_shard(
         target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group.key), ignored_params=ignored
     )
+
+
+def _already_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())

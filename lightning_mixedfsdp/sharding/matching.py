@@ -1,26 +1,47 @@
-"""Which parameters must stay fp32: class-name rules, parameter-name regexes and HF keep-in-fp32 attributes."""
+"""Which tensors must stay fp32: class-name rules, name regexes and HF keep-in-fp32 attributes, matched against
+params and buffers in one pass."""
 
 import re
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Iterable, List, Sequence, Tuple
+from functools import lru_cache
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.sharding.names import ModuleIndex, named_tensors
 
-_HF_ATTRIBUTES = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+HF_NON_STRICT, HF_STRICT = "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"
 
 
 @dataclass(frozen=True)
-class PinnedParams:
-    """The outcome of matching: pinned parameter names with the rule that pinned each."""
+class KeepFp32Rules:
+    """The keep-fp32 rules of a config, as plain values."""
+
+    modules: Tuple[str, ...] = ()
+    """Class-name suffixes or exact qualified class paths; every param and buffer of a matched module stays fp32."""
+    names: Tuple[str, ...] = ()
+    """Regexes searched in qualified param and buffer names."""
+    honor_hf: bool = True
+    """Honour HF ``_keep_in_fp32_modules`` (the strict list is always honoured)."""
+
+    @classmethod
+    def of(cls, config: MixedFSDPConfig) -> "KeepFp32Rules":
+        return cls(tuple(config.keep_fp32_modules), tuple(config.keep_fp32_params), config.honor_hf_keep_in_fp32)
+
+
+@dataclass(frozen=True)
+class KeepFp32Matches:
+    """The outcome of matching: every param or buffer kept fp32, with the rule that kept it."""
 
     rule_of: Dict[str, str]
-    """Qualified parameter name -> the first rule that matched it (e.g. ``"module:RMSNorm"``)."""
+    """Qualified param or buffer name -> the first rule that matched it (e.g. ``"module:RMSNorm"``)."""
     strict: FrozenSet[str]
-    """Names pinned by an HF ``_keep_in_fp32_modules_strict`` list (these stay fp32 even when frozen)."""
+    """Names kept by an HF ``_keep_in_fp32_modules_strict`` list."""
+    modules: Tuple[str, ...]
+    """Qualified names of the modules a class rule matched (they compute in fp32 on purpose)."""
     unmatched_rules: Tuple[str, ...]
-    """User rules that matched no parameter."""
+    """User rules that matched no param and no buffer."""
 
     def __contains__(self, name: object) -> bool:
         return name in self.rule_of
@@ -34,79 +55,104 @@ def class_matches(module: nn.Module, rule: str) -> bool:
     return cls.__name__.endswith(rule)
 
 
+def match_keep_fp32(model: nn.Module, rules: KeepFp32Rules, index: Optional[ModuleIndex] = None) -> KeepFp32Matches:
+    """Match every rule against ``model``'s params and buffers (canonical names); the first matching rule is
+    recorded per tensor."""
+    index = index or ModuleIndex(model)
+    tensor_names = [name for name, _ in named_tensors(model)]
+    rule_of: Dict[str, str] = {}
+    hits: Dict[str, int] = {}
+
+    def keep(names: Iterable[str], rule: str) -> None:
+        hits.setdefault(rule, 0)
+        for name in names:
+            rule_of.setdefault(name, rule)
+            hits[rule] += 1
+
+    matched_modules: List[str] = []
+    for rule in rules.modules:
+        keep((), f"module:{rule}")
+        for prefix, module in index.named_modules():
+            if class_matches(module, rule):
+                matched_modules.append(prefix)
+                keep((n for n, _ in named_tensors(module, prefix)), f"module:{rule}")
+    for pattern in rules.names:
+        compiled = re.compile(pattern)
+        keep((n for n in tensor_names if compiled.search(n)), f"param:{pattern}")
+
+    strict: List[str] = []
+    attributes = (HF_NON_STRICT, HF_STRICT) if rules.honor_hf else (HF_STRICT,)
+    for attribute in attributes:
+        for name, rule in _hf_matches(index, attribute):
+            keep([name], rule)
+            if attribute == HF_STRICT:
+                strict.append(name)
+
+    unmatched = tuple(rule for rule, count in hits.items() if count == 0)
+    return KeepFp32Matches(rule_of, frozenset(strict), tuple(dict.fromkeys(matched_modules)), unmatched)
+
+
 def find_keep_fp32_params(
     model: nn.Module,
     module_rules: Sequence[str] = (),
     param_patterns: Sequence[str] = (),
     honor_hf: bool = True,
-) -> PinnedParams:
-    """Match every rule against ``model``; the first matching rule is recorded per parameter."""
-    param_names = [name for name, _ in model.named_parameters()]
-    rule_of: Dict[str, str] = {}
-    hits: Dict[str, int] = {}
-
-    def pin(names: Iterable[str], rule: str) -> None:
-        for name in names:
-            rule_of.setdefault(name, rule)
-            hits[rule] = hits.get(rule, 0) + 1
-
-    for rule in module_rules:
-        label = f"module:{rule}"
-        hits.setdefault(label, 0)
-        for prefix, module in model.named_modules():
-            if class_matches(module, rule):
-                pin((_join(prefix, n) for n, _ in module.named_parameters()), label)
-    for pattern in param_patterns:
-        label = f"param:{pattern}"
-        hits.setdefault(label, 0)
-        compiled = re.compile(pattern)
-        pin((n for n in param_names if compiled.search(n)), label)
-
-    strict: List[str] = []
-    if honor_hf:
-        for attribute in _HF_ATTRIBUTES:
-            for name, rule in _hf_matches(model, attribute):
-                pin([name], rule)
-                if attribute.endswith("_strict"):
-                    strict.append(name)
-
-    unmatched = tuple(rule for rule, count in hits.items() if count == 0)
-    return PinnedParams(rule_of=rule_of, strict=frozenset(strict), unmatched_rules=unmatched)
+) -> KeepFp32Matches:
+    """:func:`match_keep_fp32` with the rules given one by one (param and buffer names alike)."""
+    return match_keep_fp32(model, KeepFp32Rules(tuple(module_rules), tuple(param_patterns), honor_hf))
 
 
-def keep_fp32_params_of(model: nn.Module, config: MixedFSDPConfig) -> PinnedParams:
-    """:func:`find_keep_fp32_params` with the config's rules."""
-    return find_keep_fp32_params(model, config.keep_fp32_modules, config.keep_fp32_params, config.honor_hf_keep_in_fp32)
+def hf_name_matcher(listed: Sequence[str], transformers_version: Optional[str] = None) -> Callable[[str], bool]:
+    """How the installed transformers matches ``_keep_in_fp32_modules[_strict]`` entries against tensor names.
+
+    transformers 5: one unanchored regex search over the full name, ``*`` meaning ``.*``
+    (``core_model_loading.build_glob_alternation``), so ``"norm"`` also matches ``input_layernorm.weight``.
+    transformers 4: an entry matches a whole dotted component of the name.
+    """
+    if _major(transformers_version or _installed_transformers()) >= 5:
+        pattern = re.compile("|".join(f"(?:{entry.replace('*', '.*')})" for entry in listed))
+        return lambda name: pattern.search(name) is not None
+    entries = set(listed)
+    return lambda name: any(part in entries for part in name.split("."))
 
 
-def _hf_matches(model: nn.Module, attribute: str) -> List[Tuple[str, str]]:
-    """transformers' own semantics: a listed name matches whole dotted components of the param name."""
+def _hf_matches(index: ModuleIndex, attribute: str) -> List[Tuple[str, str]]:
+    """(qualified name, rule) for the tensors a module's HF list names, relative to that module, as HF loads them."""
     matches = []
-    for prefix, module in model.named_modules():
-        names = getattr(module, attribute, None)
-        if not names:
+    for prefix, module in index.named_modules():
+        listed = sorted(getattr(module, attribute, None) or [])
+        if not listed:
             continue
-        for listed in names:
-            component = re.compile(rf"(^|\.){re.escape(listed)}($|\.)")
-            for name, _ in module.named_parameters():
-                if component.search(name):
-                    matches.append((_join(prefix, name), f"hf:{attribute}[{listed}]"))
+        matchers = {entry: hf_name_matcher([entry]) for entry in listed}
+        for name, _ in named_tensors(module):
+            hit = next((entry for entry, matches_entry in matchers.items() if matches_entry(name)), None)
+            if hit is not None:
+                matches.append((_join(prefix, name), f"hf:{attribute}[{hit}]"))
     return matches
+
+
+@lru_cache(maxsize=1)
+def _installed_transformers() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # not installed: a model declaring the HF attributes itself gets the current semantics
+        return "5"
+
+
+def _major(version: str) -> int:
+    return int(version.split(".")[0])
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def keep_fp32_module_names(model: nn.Module, module_rules: Sequence[str]) -> List[str]:
-    """Qualified names of the modules a keep-fp32 class rule matches (their buffers stay fp32 too)."""
-    return [name for name, module in model.named_modules() if any(class_matches(module, r) for r in module_rules)]
-
-
-def find_frozen_modules(model: nn.Module) -> List[str]:
-    """Qualified names of the largest submodules whose params are all frozen (``requires_grad=False``)."""
+def find_frozen_modules(model: nn.Module, index: Optional[ModuleIndex] = None) -> List[str]:
+    """Canonical names of the largest submodules whose params are all frozen (``requires_grad=False``)."""
     frozen: List[str] = []
-    for name, module in model.named_modules():
+    for name, module in (index or ModuleIndex(model)).named_modules():
         if any(is_within(name, outer) for outer in frozen):
             continue
         params = list(module.parameters())

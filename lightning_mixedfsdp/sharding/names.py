@@ -1,8 +1,48 @@
-"""Module identity across the wrappers users and Lightning put around a model."""
+"""One canonical name per module, param and buffer, whatever wrappers users and Lightning put around a model.
+
+Activation checkpointing (``checkpoint_wrapper``) and ``torch.compile`` insert ``_checkpoint_wrapped_module`` and
+``_orig_mod`` into qualified names; torch's distributed state-dict helpers (``_get_fqns``) strip both, and so do we,
+so plans, reports, exports and checkpoints all speak of ``layers.0.attention.A_log``.
+"""
+
+from typing import Dict, Iterator, Tuple
 
 from torch import nn
 
+WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without wrapper components (``layers.0._checkpoint_wrapped_module.w`` -> ``layers.0.w``)."""
+    if not any(attribute in name for attribute in WRAPPER_ATTRIBUTES):
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
+
 
 def unwrap_model(module: nn.Module) -> nn.Module:
-    """The model inside Fabric's ``_FabricModule`` (``_forward_module``)."""
-    return getattr(module, "_forward_module", module)
+    """The user's model inside Fabric's ``_FabricModule`` and a top-level ``torch.compile``."""
+    module = getattr(module, "_forward_module", module)
+    return getattr(module, "_orig_mod", module)
+
+
+class ModuleIndex:
+    """Modules by canonical name: ``outer`` is the outermost module of that name (the wrapper, where FSDP and AC go,
+    as in torchtitan), ``inner`` the innermost (the user's own module, whose class and hooks matter)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.outer: Dict[str, nn.Module] = {}
+        self.inner: Dict[str, nn.Module] = {}
+        for name, module in model.named_modules():
+            canonical = canonical_name(name)
+            self.outer.setdefault(canonical, module)
+            self.inner[canonical] = module
+
+    def named_modules(self) -> Iterator[Tuple[str, nn.Module]]:
+        """(canonical name, the user's module) in ``named_modules`` order."""
+        return iter(self.inner.items())
+
+
+def named_tensors(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, object]]:
+    """Canonical (qualified under ``prefix``) names of ``module``'s params, then its buffers."""
+    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        yield canonical_name(f"{prefix}.{name}" if prefix else name), tensor

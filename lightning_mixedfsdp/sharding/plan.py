@@ -1,22 +1,29 @@
-"""The planner: model + config -> ShardPlan. Pure: reads the model, never changes it, issues no collectives."""
+"""The planner: model + config -> ShardPlan. Pure: reads the model, never changes it, issues no collectives.
+
+It decides, once, every param's storage/compute/reduce dtype and FSDP group, and every floating buffer's dtype.
+Names are canonical (``sharding/names.py``), so the plan fits the model before and after wrappers are applied.
+"""
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, BulkDtypes, MixedFSDPConfig, resolve_bulk_dtypes
+from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.sharding.matching import (
-    PinnedParams,
+    KeepFp32Matches,
+    KeepFp32Rules,
     class_matches,
     find_frozen_modules,
     is_within,
-    keep_fp32_params_of,
+    match_keep_fp32,
 )
+from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 
 ROOT = ""
+BUILT, FROZEN, CAST = "as built", "frozen module", "cast_buffers"
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,9 @@ class ShardGroup:
 
     name: str
     unit: str
-    """The wrap unit the group belongs to (``""`` for the root); for replicated groups it swaps in their views."""
+    """The wrap unit the group belongs to (``""`` for the root)."""
     modules: Tuple[str, ...]
-    """Qualified module names; a sharded group with several is one list-form ``fully_shard([...])``. For a replicated
+    """Canonical module names; a sharded group with several is one list-form ``fully_shard([...])``. For a replicated
     group these are the modules whose inputs/outputs are cast to the key's compute/output dtype (empty when no
     module boundary separates the params)."""
     key: DtypeKey
@@ -68,12 +75,27 @@ class ParamPlan:
 
 
 @dataclass(frozen=True)
+class BufferPlan:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    rule: str
+    """What set the dtype: a keep-fp32 rule, ``"frozen module"``, ``"cast_buffers"`` or ``"as built"``."""
+
+
+@dataclass(frozen=True)
 class ShardPlan:
-    """Every parameter's dtypes and group, and the groups in application order (children first, root last)."""
+    """Every param's dtypes and group, every buffer's dtype, and the groups in application order (children first,
+    root last)."""
 
     bulk: BulkDtypes
     params: Dict[str, ParamPlan]
     groups: Tuple[ShardGroup, ...]
+    buffers: Dict[str, BufferPlan]
+    units: Tuple[str, ...] = ()
+    """The wrap units, children before parents (the root is implicit)."""
+    keep_fp32_modules: Tuple[str, ...] = ()
+    """Modules matched by a keep-fp32 class rule: they compute in fp32 on purpose."""
     warnings: Tuple[str, ...] = ()
 
     @property
@@ -88,17 +110,23 @@ class ShardPlan:
     def replicated_params(self) -> Tuple[str, ...]:
         return tuple(p for g in self.replicated_groups for p in g.params)
 
+    @property
+    def fp32_names(self) -> Tuple[str, ...]:
+        """Params kept fp32 by a rule and buffers planned in fp32: what an export keeps in fp32."""
+        params = [n for n, p in self.params.items() if p.rule is not None]
+        return (*params, *(n for n, b in self.buffers.items() if b.dtype == torch.float32))
+
     def predicted_collectives(self, reshard_after_forward: bool = True, hsdp: bool = False) -> Dict[str, int]:
         """Collectives of one forward+backward with gradient sync, once FSDP is lazily initialised.
 
         The root group is not resharded after forward (FSDP's default), so it all-gathers once per step. HSDP adds
         one all-reduce per trainable sharded group over the replicate dim. Replicated params add one all-reduce per
-        gradient dtype.
+        reduce dtype.
         """
         with_params = [g for g in self.sharded_groups if g.params]
         trainable = [g for g in with_params if any(self.params[p].requires_grad for p in g.params)]
         non_root = [g for g in with_params if not g.is_root]
-        replicated_dtypes = {self.params[p].key.storage for p in self.replicated_params if self.params[p].requires_grad}
+        replicated_dtypes = {self.params[p].key.reduce for p in self.replicated_params if self.params[p].requires_grad}
         all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
         return {
             "all_gather": all_gathers,
@@ -107,7 +135,7 @@ class ShardPlan:
         }
 
     def report(self) -> str:
-        """The dtype report: one row per parameter, repeated blocks collapsed to ``layers.*``."""
+        """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
         from lightning_mixedfsdp.sharding.report import format_report
 
         return format_report(self)
@@ -116,14 +144,68 @@ class ShardPlan:
         return self.report()
 
 
-def plan_sharding(model: nn.Module, config: MixedFSDPConfig, precision: str = "32-true") -> ShardPlan:
-    """Resolve every parameter's storage/compute/reduce dtype and FSDP group for ``model``."""
+def plan_sharding(
+    model: nn.Module, config: MixedFSDPConfig, precision: Union[str, BulkDtypes] = "32-true"
+) -> ShardPlan:
+    """Every param's and buffer's dtype and every param's FSDP group for ``model``, under a Lightning precision flag
+    (or bulk dtypes already resolved by :meth:`MixedFSDPConfig.bulk_dtypes`)."""
     config.validate()
-    bulk = resolve_bulk_dtypes(config.storage, config.compute_dtype, config.reduce_dtype, precision)
-    pinned = keep_fp32_params_of(model, config)
-    units = find_wrap_units(model, config.wrap_units)
-    frozen = find_frozen_modules(model) if config.pin_frozen_modules else []
-    return build_plan(model, bulk, pinned, units, config.replicate_below_bytes, frozen)
+    bulk = config.bulk_dtypes(precision) if isinstance(precision, str) else precision
+    return plan_model(
+        model,
+        bulk,
+        KeepFp32Rules.of(config),
+        wrap_units=config.wrap_units,
+        replicate_below_bytes=config.replicate_below_bytes,
+        pin_frozen_modules=config.pin_frozen_modules,
+        cast_buffers=config.cast_buffers,
+    )
+
+
+def plan_model(
+    model: nn.Module,
+    bulk: BulkDtypes,
+    rules: KeepFp32Rules,
+    wrap_units: Optional[Sequence[str]] = None,
+    replicate_below_bytes: int = 1 << 20,
+    pin_frozen_modules: bool = True,
+    cast_buffers: bool = False,
+) -> ShardPlan:
+    """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass."""
+    index = ModuleIndex(model)
+    matches = match_keep_fp32(model, rules, index)
+    frozen = find_frozen_modules(model, index) if pin_frozen_modules else []
+    units = find_wrap_units(index, wrap_units)
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
+    keys = {name: param_key(p, name in matches, bulk, _inside(name, frozen)) for name, p in params.items()}
+    groups, group_of = _plan_groups(index, params, keys, matches, units, bulk, replicate_below_bytes)
+    group_by_name = {g.name: g for g in groups}
+    param_plans = {
+        name: ParamPlan(
+            name=name,
+            shape=tuple(p.shape),
+            key=_effective_key(keys[name], group_by_name[group_of[name]]),
+            requires_grad=p.requires_grad,
+            group=group_of[name],
+            replicated=group_by_name[group_of[name]].replicated,
+            rule=matches.rule_of.get(name),
+        )
+        for name, p in params.items()
+    }
+    buffer_plans = {
+        name: _plan_buffer(name, buffer, matches, _inside(name, frozen), bulk, cast_buffers)
+        for name, buffer in ((canonical_name(n), b) for n, b in model.named_buffers())
+        if buffer.is_floating_point()
+    }
+    return ShardPlan(
+        bulk=bulk,
+        params=param_plans,
+        groups=tuple(groups),
+        buffers=buffer_plans,
+        units=tuple(units),
+        keep_fp32_modules=matches.modules,
+        warnings=_rule_warnings(matches.unmatched_rules),
+    )
 
 
 def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_module: bool = False) -> DtypeKey:
@@ -138,88 +220,47 @@ def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_
     return DtypeKey(storage, compute, reduce)
 
 
-def find_wrap_units(model: nn.Module, wrap_units: Optional[Sequence[str]]) -> List[str]:
-    """Qualified names of the FSDP units, children before parents; the root is never a unit here."""
+def _plan_buffer(
+    name: str,
+    buffer: torch.Tensor,
+    matches: KeepFp32Matches,
+    in_frozen_module: bool,
+    bulk: BulkDtypes,
+    cast_buffers: bool,
+) -> BufferPlan:
+    """Precedence: a keep-fp32 rule > fully frozen modules in the compute dtype > ``cast_buffers`` > as built."""
+    shape = tuple(buffer.shape)
+    if name in matches:
+        return BufferPlan(name, shape, torch.float32, matches.rule_of[name])
+    if in_frozen_module and bulk.compute is not None:
+        return BufferPlan(name, shape, bulk.compute, FROZEN)
+    if cast_buffers and bulk.storage is not None:
+        return BufferPlan(name, shape, bulk.storage, CAST)
+    return BufferPlan(name, shape, buffer.dtype, BUILT)
+
+
+def find_wrap_units(index: ModuleIndex, wrap_units: Optional[Sequence[str]]) -> List[str]:
+    """Canonical names of the FSDP units, children before parents; the root is never a unit here."""
     if wrap_units:
-        chosen = [n for n, m in model.named_modules() if n and any(class_matches(m, r) for r in wrap_units)]
+        chosen = [n for n, m in index.named_modules() if n and any(class_matches(m, r) for r in wrap_units)]
     else:
-        no_split = {c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])}
+        no_split = {c for _, m in index.named_modules() for c in (getattr(m, "_no_split_modules", None) or [])}
         if no_split:
-            chosen = [n for n, m in model.named_modules() if n and type(m).__name__ in no_split]
+            chosen = [n for n, m in index.named_modules() if n and type(m).__name__ in no_split]
         else:
-            chosen = _outermost_module_list_children(model)
-    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+            chosen = _outermost_module_list_children(index)
+    order = {name: position for position, (name, _) in enumerate(index.named_modules())}
     return sorted(set(chosen), key=lambda name: -order[name])
 
 
-def _outermost_module_list_children(model: nn.Module) -> List[str]:
+def _outermost_module_list_children(index: ModuleIndex) -> List[str]:
     """Children of ModuleLists not inside another unit: blocks, not the experts inside a block (an expert that gets
     no token on one rank must not be its own FSDP group, or that rank skips its collectives)."""
     chosen: List[str] = []
-    for name, module in model.named_modules():
+    for name, module in index.named_modules():
         if isinstance(module, nn.ModuleList) and not any(is_within(name, unit) for unit in chosen):
-            chosen.extend(f"{name}.{child}" if name else child for child, _ in module.named_children())
+            chosen.extend(canonical_name(f"{name}.{child}" if name else child) for child, _ in module.named_children())
     return chosen
-
-
-def build_plan(
-    model: nn.Module,
-    bulk: BulkDtypes,
-    pinned: PinnedParams,
-    units: Sequence[str],
-    replicate_below_bytes: int,
-    frozen_modules: Sequence[str] = (),
-) -> ShardPlan:
-    """Group params unit by unit: the majority key owns the unit, each minority key gets one group."""
-    params = dict(model.named_parameters())
-    keys = {
-        name: param_key(p, name in pinned, bulk, any(is_within(name, m) for m in frozen_modules))
-        for name, p in params.items()
-    }
-    unit_set = set(units)
-    owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
-    module_owner = {name: _owning_unit(name, unit_set) for name, _ in model.named_modules()}
-    containers = frozenset(n for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)))
-
-    context = _ModelFacts(params, keys, pinned, module_owner, containers, bulk, replicate_below_bytes)
-    groups: List[ShardGroup] = []
-    group_of: Dict[str, str] = {}
-    replicated: set = set()
-    for unit in [*units, ROOT]:
-        for group in _plan_unit(unit, [n for n in params if owner[n] == unit], context):
-            groups.append(group)
-            for name in group.params:
-                group_of[name] = group.name
-                if group.replicated:
-                    replicated.add(name)
-
-    group_by_name = {g.name: g for g in groups}
-    plans = {
-        name: ParamPlan(
-            name=name,
-            shape=tuple(p.shape),
-            key=_effective_key(keys[name], group_by_name[group_of[name]]),
-            requires_grad=p.requires_grad,
-            group=group_of[name],
-            replicated=name in replicated,
-            rule=pinned.rule_of.get(name),
-        )
-        for name, p in params.items()
-    }
-    warnings = _rule_warnings(pinned.unmatched_rules)
-    return ShardPlan(bulk=bulk, params=plans, groups=tuple(groups), warnings=warnings)
-
-
-def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
-    """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
-    defaults = {f"module:{rule}" for rule in DEFAULT_KEEP_FP32_MODULES}
-    warnings = [f"keep-fp32 rule {rule!r} matched no parameter" for rule in unmatched_rules if rule not in defaults]
-    if defaults <= set(unmatched_rules):
-        warnings.append(
-            f"no module class ends with {' or '.join(DEFAULT_KEEP_FP32_MODULES)}: no norm is kept in fp32; if the"
-            " model's norms use another class name, add it to keep_fp32_modules"
-        )
-    return tuple(warnings)
 
 
 @dataclass(frozen=True)
@@ -228,13 +269,50 @@ class _ModelFacts:
 
     params: Dict[str, nn.Parameter]
     keys: Dict[str, DtypeKey]
-    pinned: PinnedParams
+    pinned: KeepFp32Matches
     module_owner: Dict[str, str]
-    """Qualified module name -> the unit that owns it."""
+    """Canonical module name -> the unit that owns it."""
     containers: FrozenSet[str]
     """ModuleList/ModuleDict names: never called, so never a group member."""
     bulk: BulkDtypes
     replicate_below_bytes: int
+
+
+def _plan_groups(
+    index: ModuleIndex,
+    params: Dict[str, nn.Parameter],
+    keys: Dict[str, DtypeKey],
+    pinned: KeepFp32Matches,
+    units: Sequence[str],
+    bulk: BulkDtypes,
+    replicate_below_bytes: int,
+) -> Tuple[List[ShardGroup], Dict[str, str]]:
+    """Group params unit by unit: the majority key owns the unit, each minority key gets one group."""
+    unit_set = set(units)
+    owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
+    module_owner = {name: _owning_unit(name, unit_set) for name, _ in index.named_modules()}
+    containers = frozenset(n for n, m in index.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)))
+    facts = _ModelFacts(params, keys, pinned, module_owner, containers, bulk, replicate_below_bytes)
+    groups: List[ShardGroup] = []
+    for unit in [*units, ROOT]:
+        groups.extend(_plan_unit(unit, [n for n in params if owner[n] == unit], facts))
+    group_of = {name: group.name for group in groups for name in group.params}
+    return groups, group_of
+
+
+def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
+    """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
+    from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES
+
+    defaults = {f"module:{rule}" for rule in DEFAULT_KEEP_FP32_MODULES}
+    norms = {f"module:{rule}" for rule in DEFAULT_NORM_RULES}
+    warnings = [f"keep-fp32 rule {rule!r} matched no parameter" for rule in unmatched_rules if rule not in defaults]
+    if norms <= set(unmatched_rules):
+        warnings.append(
+            f"no module class ends with {' or '.join(DEFAULT_NORM_RULES)}: no norm is kept in fp32; if the"
+            " model's norms use another class name, add it to keep_fp32_modules"
+        )
+    return tuple(warnings)
 
 
 def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[ShardGroup]:
@@ -259,7 +337,8 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
         if key == majority:
             continue
         key_params = [n for n in keyed if keys[n] == key]
-        modules = _maximal_uniform_modules(unit, key, keyed, keys, facts.module_owner, facts.containers)
+        group_key = _returning(key, majority.compute)
+        modules = _maximal_uniform_modules(unit, key, unit_params, keys, facts.module_owner, facts.containers)
         covered = [n for n in unit_params if any(is_within(n, m) for m in modules)]
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
@@ -269,15 +348,10 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
         if modules:
             name = f"{unit or '<root>'}[{','.join(_relative(m, unit) for m in modules)}]"
             nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
-            if nbytes < facts.replicate_below_bytes:
-                group_params = tuple(n for n in covered if n in keyed)
-                groups.append(
-                    ShardGroup(name, unit, tuple(modules), key, group_params, replicated=True, reason="small")
-                )
-            else:
-                group_params = tuple(covered)
-                groups.append(ShardGroup(name, unit, tuple(modules), key, group_params))
-            taken.update(group_params)
+            replicated = nbytes < facts.replicate_below_bytes
+            reason = "small" if replicated else ""
+            groups.append(ShardGroup(name, unit, tuple(modules), group_key, tuple(covered), replicated, reason=reason))
+            taken.update(covered)
     rest = tuple(n for n in unit_params if n not in taken)
     if rest or unit == ROOT:
         groups.append(ShardGroup(unit or "<root>", unit, (unit,), majority, rest, is_root=unit == ROOT))
@@ -287,15 +361,18 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
 def _maximal_uniform_modules(
     unit: str,
     key: DtypeKey,
-    keyed: List[str],
+    unit_params: List[str],
     keys: Dict[str, DtypeKey],
     module_owner: Dict[str, str],
     containers: FrozenSet[str],
 ) -> List[str]:
-    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose keyed params (trainable
-    or pinned) all have ``key``."""
+    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose params all have ``key``.
+
+    Frozen params count with their own dtypes: a frozen bf16 subtree holding one fp32 norm (a PEFT base model, a
+    frozen tower) is not "uniformly fp32", so the norm's casts never wrap its bf16 matmuls.
+    """
     keys_below: Dict[str, set] = defaultdict(set)
-    for name in keyed:
+    for name in unit_params:
         module = _parent(name)
         while True:
             keys_below[module].add(keys[name])
@@ -320,6 +397,14 @@ def _has_uniform_ancestor(module: str, uniform: set, unit: str) -> bool:
     return False
 
 
+def _returning(key: DtypeKey, unit_compute: torch.dtype) -> DtypeKey:
+    """A minority group returns its outputs in the dtype its unit computes in, so the next layer gets its own dtype
+    (an fp32 norm in a model that arrived in bf16 under ``32-true`` returns bf16)."""
+    if key.output is not None or key.compute == unit_compute:
+        return key
+    return DtypeKey(key.storage, key.compute, key.reduce, output=unit_compute)
+
+
 def _effective_key(key: DtypeKey, group: ShardGroup) -> DtypeKey:
     """Frozen params ride with their group, so they all-gather in the group's compute dtype."""
     if group.replicated or key == group.key:
@@ -333,6 +418,10 @@ def _default_key(unit_params: List[str], keys: Dict[str, DtypeKey], bulk: BulkDt
     storage = bulk.storage or torch.get_default_dtype()
     compute = bulk.compute or storage
     return DtypeKey(storage, compute, bulk.reduce or compute)
+
+
+def _inside(name: str, modules: Sequence[str]) -> bool:
+    return any(is_within(name, m) for m in modules)
 
 
 def _owning_unit(module_name: str, units: set) -> str:

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mixedfsdp.sharding.names import ModuleIndex
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
 from lightning_mixedfsdp.sharding.tensors import cast_floating, tensors_in
 
@@ -30,17 +31,21 @@ class ReplicatedParam:
 
 
 def replicate_params(
-    model: nn.Module, plan: ShardPlan, mesh: "DeviceMesh", device: torch.device, handles: List[RemovableHandle]
+    model: nn.Module,
+    index: ModuleIndex,
+    plan: ShardPlan,
+    mesh: "DeviceMesh",
+    device: torch.device,
+    handles: List[RemovableHandle],
 ) -> List[ReplicatedParam]:
     """Turn every replicated param of ``plan`` into a Replicate DTensor and install the forward hooks (their handles
     are appended to ``handles``)."""
     replicated: List[ReplicatedParam] = []
     for group in plan.replicated_groups:
-        unit = model.get_submodule(group.unit)
-        entries = [_to_replicate_dtensor(model, name, group, mesh, device) for name in group.params]
-        handles.extend(_install_swap_hooks(unit, entries))
+        entries = [_to_replicate_dtensor(index, name, group, mesh, device) for name in group.params]
+        handles.extend(_install_swap_hooks(index.outer[group.unit], entries))
         for module_name in group.modules:
-            handles.extend(install_cast_hooks(model.get_submodule(module_name), group.key.compute, group.key.output))
+            handles.extend(install_cast_hooks(index.inner[module_name], group.key.compute, group.key.output))
         replicated.extend(entries)
     return replicated
 
@@ -70,12 +75,12 @@ def install_cast_hooks(
 
 
 def _to_replicate_dtensor(
-    model: nn.Module, name: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
+    index: ModuleIndex, name: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
 ) -> ReplicatedParam:
     from torch.distributed.tensor import DTensor, Replicate
 
     owner_name, _, attribute = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
+    owner = index.inner[owner_name]
     param = owner._parameters[attribute]
     # a meta param stays on meta: the strategy allocates and fills it after sharding
     local = param.detach().to(device=param.device if param.is_meta else device, dtype=group.key.storage)

@@ -68,7 +68,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision(self) -> MixedFSDPPrecision:
-        return self._precision if self._precision is not None else MixedFSDPPrecision("32-true", self._config)
+        return self._precision if self._precision is not None else self._default_precision(MixedFSDPPrecision)
 
     @precision.setter
     @override
@@ -83,7 +83,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self._sharded.shard(
-            module, self._config, self.precision, self.meshes, self.root_device, self._parallelize_fn
+            module, self._config, self.precision.bulk, self.meshes, self.root_device, self._parallelize_fn
         )
 
     @override

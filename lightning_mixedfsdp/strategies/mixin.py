@@ -17,14 +17,14 @@ from typing_extensions import override
 from lightning_mixedfsdp.checkpoint.atomic import commit, is_sharded_checkpoint, recover, temp_sibling
 from lightning_mixedfsdp.checkpoint.export import export_model
 from lightning_mixedfsdp.checkpoint.meta import has_meta_tensors, materialize_sharded, meta_template
-from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
-from lightning_mixedfsdp.sharding.matching import keep_fp32_module_names
+from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.sharding.names import unwrap_model
-from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
+from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_model
 
 STRATEGY_NAME = "mixed_fsdp2"
 
@@ -49,17 +49,23 @@ def adopt_precision(
     plugin_class: Type[MixedFSDPPrecision],
     translatable: Tuple[type, ...],
 ) -> Optional[Precision]:
-    """Translate the Lightning precision plugins built from a precision flag (exactly the ``translatable`` classes)
-    into ``plugin_class``; refuse any other plugin."""
-    if plugin is None or isinstance(plugin, plugin_class):
-        return plugin
+    """``plugin_class`` for the plugin's precision flag, with the bulk dtypes resolved from ``config``.
+
+    Lightning's plugins built from a flag (exactly the ``translatable`` classes) are translated, and a
+    :class:`MixedFSDPPrecision` passed by the user is rebuilt, so plugin and plan can never disagree; any other
+    plugin is refused.
+    """
+    if plugin is None:
+        return None
     flag = getattr(plugin, "precision", None)
-    if type(plugin) not in translatable or precision_problem(flag) is not None:
+    if not isinstance(plugin, MixedFSDPPrecision) and (
+        type(plugin) not in translatable or precision_problem(flag) is not None
+    ):
         raise ValueError(
             f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r})."
             f" {precision_problem(flag) or 'Pass a precision flag instead of a custom plugin.'}"
         )
-    return plugin_class(flag, config)
+    return plugin_class(flag, config.bulk_dtypes(flag))
 
 
 def validate_mesh_sizes(owner: str, data_parallel_size: Any, replicate_size: Any, tensor_parallel_size: Any) -> None:
@@ -97,42 +103,44 @@ class ShardedModules:
         self,
         module: nn.Module,
         config: MixedFSDPConfig,
-        precision: MixedFSDPPrecision,
+        bulk: BulkDtypes,
         meshes: ParallelMeshes,
         device: torch.device,
         parallelize: ParallelizeFn,
     ) -> nn.Module:
-        """Meta template, storage casts, the user's parallelize_fn, the dtype plan on the data-parallel mesh, then the
-        materialisation of a meta model and the optional leak check."""
+        """Plan, then apply the plan (casts, the user's parallelize_fn, FSDP, replicas), then materialise a meta model
+        and install the optional leak check."""
         import torch.distributed as dist
-        from torch.distributed.fsdp import FSDPModule
 
         on_meta = has_meta_tensors(module)
-        # rank 0 alone initialises a meta model, on an unsharded copy in the dtypes it was built with, so values
-        # match a single-process init (random draws depend on the dtype)
-        template = meta_template(module) if on_meta and config.init_meta_params and dist.get_rank() == 0 else None
-        precision.cast_to_storage(module)
-        module = parallelize(module, meshes.root)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(module).__name__}.")
-        if any(isinstance(m, FSDPModule) for m in module.modules()):
-            rank_zero_info(f"{STRATEGY_NAME}: the model is already sharded by the user; applying no dtype plan.")
-            if on_meta:
-                materialize_sharded(module, None, device, initialise=False)
-            return module
-        plan = plan_sharding(module, config, precision=precision.precision)
+        plan = plan_model(
+            module,
+            bulk,
+            KeepFp32Rules.of(config),
+            wrap_units=config.wrap_units,
+            replicate_below_bytes=config.replicate_below_bytes,
+            pin_frozen_modules=config.pin_frozen_modules,
+            cast_buffers=config.cast_buffers,
+        )
         for warning in plan.warnings:
             rank_zero_warn(f"{STRATEGY_NAME}: {warning}")
         if config.print_report:
             rank_zero_info(plan.report())
-        applied = apply_plan(module, plan, meshes, device, config.reshard_after_forward)
+        # rank 0 alone initialises a meta model, on an unsharded copy in the dtypes it was built with, so values
+        # match a single-process init (random draws depend on the dtype)
+        template = meta_template(module) if on_meta and config.init_meta_params and dist.get_rank() == 0 else None
+        module, applied = apply_plan(module, plan, meshes, device, parallelize, config.reshard_after_forward)
+        if applied is None:
+            rank_zero_info(f"{STRATEGY_NAME}: the model is already sharded by the user; applying no dtype plan.")
+            if on_meta:
+                materialize_sharded(module, None, device, initialise=False)
+            return module
         if on_meta:
             materialize_sharded(module, template, device, initialise=config.init_meta_params)
         else:
             sync_replicas(applied, meshes)
         if config.check_dtype_leaks and plan.bulk.compute is not None:
-            keep_fp32 = keep_fp32_module_names(module, config.keep_fp32_modules)
-            applied.handles.extend(install_leak_check(module, plan.bulk.compute, keep_fp32))
+            applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
         self._applied[module] = applied
         return module
 
@@ -193,6 +201,10 @@ class MixedFSDP2Mixin:
                 STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
             )
 
+    def _default_precision(self, plugin_class: Type[MixedFSDPPrecision]) -> MixedFSDPPrecision:
+        """Lightning's default flag, ``"32-true"``, before the connector hands over a plugin."""
+        return plugin_class("32-true", self._config.bulk_dtypes("32-true"))
+
     @property
     def config(self) -> MixedFSDPConfig:
         return self._config
@@ -243,9 +255,8 @@ class MixedFSDP2Mixin:
         max_shard_bytes: int = 5 * 2**30,
     ) -> Optional[List[Path]]:
         """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the plan's keep-fp32 params (or
-        names matching ``keep_fp32_patterns``) stay fp32. Every rank calls it; rank 0 writes."""
-        plan = self.plan_of(module)
-        keep = [name for name, p in plan.params.items() if p.rule is not None]
+        names matching ``keep_fp32_patterns``) and its fp32 buffers stay fp32. Every rank calls it; rank 0 writes."""
+        keep = self.plan_of(module).fp32_names
         return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
 
     def _save_atomically(self, path: Any, write: Callable[[Path], None]) -> None:

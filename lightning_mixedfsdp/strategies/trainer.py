@@ -65,7 +65,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @override
     def precision_plugin(self) -> MixedFSDPTrainerPrecision:
         if self._precision_plugin is None:
-            return MixedFSDPTrainerPrecision("32-true", self._config)
+            return self._default_precision(MixedFSDPTrainerPrecision)
         return self._precision_plugin
 
     @precision_plugin.setter
@@ -107,7 +107,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         for name, child in model.named_children():
             if any(True for _ in child.parameters()):
                 sharded = self._sharded.shard(
-                    child, self._config, self.precision_plugin, self.meshes, self.root_device, no_parallelize
+                    child, self._config, self.precision_plugin.bulk, self.meshes, self.root_device, no_parallelize
                 )
                 setattr(model, name, sharded)
         model.to(self.root_device)

@@ -125,7 +125,7 @@ def test_round_trip_on_two_ranks_keeps_every_dtype_and_bit(two_ranks: list, mode
     assert saved["param/output.weight"].dtype == torch.bfloat16
     assert saved["optim/layers.0.attention.A_log/exp_avg"].dtype == torch.float32
     assert saved["optim/output.weight/exp_avg_sq"].dtype == torch.bfloat16
-    assert saved["buffer/logit_scale"].dtype == torch.bfloat16
+    assert saved["buffer/logit_scale"].dtype == torch.float32  # a buffer keeps the dtype it was built in
     for rank_result in two_ranks:
         loaded = rank_result[mode]["loaded"]
         params_and_buffers = {k: v for k, v in rank_result[mode]["saved"].items() if not k.startswith("optim/")}
@@ -159,7 +159,7 @@ def test_export_keeps_the_plans_fp32_params_fp32_and_the_rest_in_the_save_dtype(
         pinned = name.endswith("A_log") or "norm" in name
         assert exported[name].dtype == (torch.float32 if pinned else torch.bfloat16), name
         assert torch.equal(exported[name], value.to(exported[name].dtype)), name
-    assert exported["logit_scale"].dtype == torch.bfloat16
+    assert exported["logit_scale"].dtype == torch.float32  # planned fp32, exported fp32
 
     from lightning_mixedfsdp import MixedFSDPConfig
 

@@ -145,19 +145,46 @@ class HFLikeLayer(nn.Module):
         self.mlp = nn.Linear(8, 8)
 
 
-def test_hf_keep_in_fp32_attributes_pin_whole_name_components() -> None:
+def test_hf_keep_in_fp32_attributes_follow_the_installed_transformers_5_rule() -> None:
+    # transformers 5 searches each listed name as an unanchored regex: "router" also matches "routers_extra"
     pinned = find_keep_fp32_params(HFLikeMoE(), module_rules=[], param_patterns=[])
-    assert set(pinned.rule_of) == {f"model.layers.{i}.{n}" for i in (0, 1) for n in ("router.weight", "A_log")}
+    expected = {f"model.layers.{i}.{n}" for i in (0, 1) for n in ("router.weight", "routers_extra.weight", "A_log")}
+    assert set(pinned.rule_of) == expected
     assert pinned.strict == {"model.layers.0.A_log", "model.layers.1.A_log"}
     assert pinned.rule_of["model.layers.0.router.weight"] == "hf:_keep_in_fp32_modules[router]"
-    assert not find_keep_fp32_params(HFLikeMoE(), honor_hf=False).rule_of
+    # honor_hf=False drops the non-strict list only: HF keeps strict names fp32 under every dtype
+    assert set(find_keep_fp32_params(HFLikeMoE(), honor_hf=False).rule_of) == {
+        "model.layers.0.A_log",
+        "model.layers.1.A_log",
+    }
+
+
+NAMES = ["model.layers.0.router.weight", "model.layers.0.routers_extra.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def test_transformers_4_matched_whole_dotted_components() -> None:
+    from lightning_mixedfsdp.sharding.matching import hf_name_matcher
+
+    matches = hf_name_matcher(["router", "norm"], transformers_version="4.57.1")
+    assert [n for n in NAMES if matches(n)] == ["model.layers.0.router.weight", "model.norm.weight"]
+
+
+def test_transformers_5_rule_equals_transformers_own_glob_alternation() -> None:
+    from transformers.core_model_loading import build_glob_alternation
+
+    from lightning_mixedfsdp.sharding.matching import hf_name_matcher
+
+    for listed in (["router"], ["norm", "lm_*"], ["layers.*.router"], ["e_score_correction_bias"]):
+        theirs, _, _ = build_glob_alternation(listed)
+        ours = hf_name_matcher(listed, transformers_version="5.23.0")
+        assert [n for n in NAMES if ours(n)] == [n for n in NAMES if theirs.search(n)], listed
 
 
 def test_hf_no_split_modules_are_the_units() -> None:
     plan = plan_sharding(HFLikeMoE(), MixedFSDPConfig(replicate_below_bytes=0), precision="bf16-true")
     assert {g.unit for g in plan.groups} == {"model.layers.0", "model.layers.1", ""}
     assert plan.params["model.layers.0.router.weight"].key.storage == torch.float32
-    assert plan.params["model.layers.0.routers_extra.weight"].key.storage == torch.bfloat16
+    assert plan.params["model.layers.0.mlp.weight"].key.storage == torch.bfloat16
 
 
 def test_suffix_rules_match_class_name_endings_and_qualified_rules_match_exactly() -> None:

@@ -215,9 +215,10 @@ def test_clip_total_norm_equals_the_single_process_reference(results: list) -> N
 
 
 def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing_deadlocks(results: list) -> None:
+    from lightning_mixedfsdp import plan_sharding
     from lightning_mixedfsdp.config import MixedFSDPConfig
-    from lightning_mixedfsdp.precision import MixedFSDPPrecision
     from lightning_mixedfsdp.recipes.models import TinyMoE
+    from lightning_mixedfsdp.sharding.apply import apply_dtypes
 
     rank0, rank1 = (r["moe"] for r in results)
     assert "layers.0.experts.1.weight" in rank0["replicated"]
@@ -229,7 +230,7 @@ def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing
     # expert 1 only ran on rank 1: its averaged grad is rank 1's grad / 2 (before clipping, which scales both)
     torch.manual_seed(0)
     reference = TinyMoE()
-    MixedFSDPPrecision("bf16-true", MixedFSDPConfig(keep_fp32_params=MOE_KEEP_FP32)).cast_to_storage(reference)
+    apply_dtypes(reference, plan_sharding(reference, MixedFSDPConfig(keep_fp32_params=MOE_KEEP_FP32), "bf16-true"))
     _install_expert_casts(reference)
     inputs = moe_inputs(1)
     reference(inputs["x"].bfloat16(), route=inputs["route"]).float().pow(2).mean().backward()

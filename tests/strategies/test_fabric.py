@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from benchmarks.baselines import shard_each_norm_separately
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
+from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+from lightning_mixedfsdp.sharding.apply import apply_dtypes
 from tests.distributed import run_distributed
 from tests.scenarios import (
     LLAMA,
@@ -100,7 +101,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
 
     torch.manual_seed(0)
     baseline = TinyLlama(LLAMA)
-    MixedFSDPPrecision("bf16-true").cast_to_storage(baseline)
+    apply_dtypes(baseline, plan_sharding(baseline, MixedFSDPConfig(), "bf16-true"))
     shard_each_norm_separately(baseline, fabric.strategy.meshes.fsdp)
     out["per_norm"] = _steady_step_counts(None, baseline, rank, world_size)
     return out
