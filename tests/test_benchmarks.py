@@ -33,3 +33,17 @@ def test_numerics_runs_and_keeps_norms_fp32_only_in_the_mixed_run(tmp_path: Path
     assert len(results["mixed_bf16_true"]["losses"]) == 4
     assert json.loads((tmp_path / "numerics.json").read_text()).keys() == results.keys()
     assert "| naive all-bf16 |" in capsys.readouterr().out
+
+
+def test_buffer_numerics_runs_and_only_the_bf16_inv_freq_run_drifts(capsys) -> None:
+    from benchmarks import buffer_numerics
+
+    argv = ["--positions", "256", "--init-ranges", "0.1", "--tokens", "64", "--zero-mean-stds", "1.0"]
+    results = buffer_numerics.main(argv)
+    study = results["rope"]["0.1"]
+    assert set(study["inv_freq_dtypes"].values()) == {"torch.float32", "torch.bfloat16"}
+    kl = study["kl"]
+    assert kl["bf16-true with every buffer cast (inv_freq bf16)"][0] > kl["mixed_fsdp2 bf16-true (inv_freq fp32)"][0]
+    glm = results["router"]["cases"]["uniform in [6.817, 7.063] (GLM-5.2)"]
+    assert glm["distinct_values_bf16"] < glm["distinct_values_fp32"] and glm["bf16_unmoved_after_100_updates"] == 1.0
+    assert "(b) Router" in capsys.readouterr().out
