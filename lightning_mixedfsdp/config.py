@@ -25,6 +25,7 @@ _PRECISION_TO_BULK = {
     "bf16-true": (torch.bfloat16, torch.bfloat16),
 }
 SUPPORTED_PRECISIONS = tuple(_PRECISION_TO_BULK)
+_AC_MODE = re.compile(r"none|full|selective:[1-9][0-9]*")
 
 
 class MixedFSDPConfigError(ValueError):
@@ -68,6 +69,14 @@ class MixedFSDPConfig:
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
     ``_no_split_modules`` when the model declares them, else the children of the outermost ``nn.ModuleList``s
     (blocks, not the experts inside them)."""
+
+    activation_checkpointing: str = "none"
+    """Activation checkpointing of the wrap units, applied before sharding as torchtitan does: ``"none"``, ``"full"``
+    (every unit) or ``"selective:N"`` (every N-th unit). Checkpointing the user applies (``checkpoint_wrapper``, HF
+    ``gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) works with every option."""
+
+    compile: bool = False
+    """``module.compile()`` each wrap unit before sharding (torchtitan's per-block compile)."""
 
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""
@@ -113,6 +122,11 @@ class MixedFSDPConfig:
                     problems.append(
                         f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
                     )
+        if not _AC_MODE.fullmatch(str(self.activation_checkpointing)):
+            problems.append(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not supported; use 'none', 'full' or"
+                " 'selective:N' (every N-th unit, N >= 1)."
+            )
         if self.wrap_units is not None and len(self.wrap_units) == 0:
             problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
         if not isinstance(self.replicate_below_bytes, int) or self.replicate_below_bytes < 0:
@@ -133,6 +147,12 @@ class MixedFSDPConfig:
             listed = "\n".join(f"  - {p}" for p in problems)
             raise MixedFSDPConfigError(f"MixedFSDPConfig has {len(problems)} problem(s):\n{listed}")
         return self
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Checkpoint every N-th unit; 0 for none."""
+        mode = self.activation_checkpointing
+        return 0 if mode == "none" else 1 if mode == "full" else int(mode.split(":")[1])
 
     def bulk_dtypes(self, precision: str) -> "BulkDtypes":
         """The bulk dtypes for a Lightning precision flag: the one place they are resolved."""

@@ -60,17 +60,21 @@ def train_reference(model: nn.Module, world_size: int, steps: int, lr: float = 1
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside Fabric's wrapper, so names carry no ``_forward_module.`` prefix."""
-    return getattr(model, "_forward_module", model)
+    """The module inside Fabric's wrapper (and a top-level compile), so names carry no ``_forward_module.`` prefix."""
+    from lightning_mixedfsdp.sharding.names import unwrap_model
+
+    return unwrap_model(model)
 
 
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every param as a full plain tensor (gathers DTensors)."""
+    """Every param as a full plain tensor (gathers DTensors), by canonical name (wrapper prefixes stripped)."""
     from torch.distributed.tensor import DTensor
+
+    from lightning_mixedfsdp.sharding.names import canonical_name
 
     model = unwrap(model)
     return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        canonical_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for name, p in model.named_parameters()
     }
 

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.sharding.matching import is_within
+from lightning_mixedfsdp.sharding.names import user_class_name
 from lightning_mixedfsdp.sharding.tensors import tensors_in
 
 
@@ -28,7 +29,7 @@ def install_leak_check(
             dtypes = {t.dtype for t in tensors_in(output) if t.is_floating_point()}
             wrong = sorted(str(d).replace("torch.", "") for d in dtypes if d != compute_dtype)
             if wrong and name not in leaks:
-                leaks[name] = f"{name} ({_user_class_name(module)}): {', '.join(wrong)}"
+                leaks[name] = f"{name} ({user_class_name(module)}): {', '.join(wrong)}"
 
         return hook
 
@@ -52,10 +53,3 @@ def install_leak_check(
             handles.append(module.register_forward_hook(record(name)))
     handles.append(model.register_forward_hook(report))
     return handles
-
-
-def _user_class_name(module: nn.Module) -> str:
-    """The model's own class name, not FSDP's dynamic ``FSDP<Name>`` subclass."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__

@@ -1,9 +1,10 @@
 """Execute a ShardPlan on a model, in torchtitan's order: the planned dtypes, the user's ``parallelize_fn`` (tensor
-parallelism), then one ``fully_shard`` per sharded group (children before parents, the root last), then the
-replicated params with their hooks and gradient reducer. Every side effect of the library on a model lives here."""
+parallelism), activation checkpointing, per-unit compile, one ``fully_shard`` per sharded group (children before
+parents, the root last), then the replicated params with their hooks and gradient reducer. Every side effect of the
+library on a model lives here."""
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -12,10 +13,12 @@ from torch.utils.hooks import RemovableHandle
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan
+from lightning_mixedfsdp.sharding.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
     ReplicatedParam,
     broadcast_from_first_rank,
+    fsdp_gradient_divide_factor,
     replicate_params,
 )
 
@@ -31,6 +34,7 @@ class AppliedPlan:
     plan: ShardPlan
     replicas: List[ReplicatedParam]
     reducer: ReplicatedGradReducer
+    tracker: StepTracker
     handles: List[RemovableHandle] = field(default_factory=list)
 
     def remove_hooks(self) -> None:
@@ -46,6 +50,8 @@ def apply_plan(
     device: torch.device,
     parallelize: Callable[[nn.Module, Any], nn.Module],
     reshard_after_forward: bool = True,
+    checkpoint_every: int = 0,
+    compile_units: bool = False,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
     when the user's ``parallelize`` shards with FSDP itself."""
@@ -54,16 +60,20 @@ def apply_plan(
     if _already_sharded(model):
         return model, None
     check_plan_fits(model, plan)
+    top_units = outermost_units(plan.units)
+    if checkpoint_every:
+        apply_activation_checkpointing(model, top_units[::-1][::checkpoint_every])
     index = ModuleIndex(model)
+    if compile_units:
+        apply_compile(index, top_units)
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     ignored = {params[name] for name in plan.replicated_params}
     for group in plan.sharded_groups:
         apply_fully_shard(index, group, meshes.fsdp, reshard_after_forward, ignored)
     handles: List[RemovableHandle] = []
     replicas = replicate_params(model, index, plan, meshes.fsdp, device, handles)
-    reducer = ReplicatedGradReducer([r.param for r in replicas], meshes.data_parallel.get_group())
-    handles.extend(reducer.attach(model))
-    return model, AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, handles=handles)
+    reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
+    return model, AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, tracker=tracker, handles=handles)
 
 
 @torch.no_grad()
@@ -89,6 +99,50 @@ def apply_parallelize(
     if not isinstance(parallelized, nn.Module):
         raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(parallelized).__name__}.")
     return parallelized
+
+
+def apply_step_tracking(
+    model: nn.Module, replicas: List[ReplicatedParam], meshes: ParallelMeshes, handles: List[RemovableHandle]
+) -> Tuple[ReplicatedGradReducer, StepTracker]:
+    """The replicated-grad reduction at the end of every backward, and recovery after a step that raised."""
+    from torch.distributed.fsdp import FSDPModule
+
+    reducer = ReplicatedGradReducer(
+        replicas, meshes.data_parallel.get_group(), divide_factor=lambda: fsdp_gradient_divide_factor(model)
+    )
+    tracker = StepTracker()
+    if reducer.num_buckets:
+        tracker.on_backward_end(reducer.on_backward_end)
+    if isinstance(model, FSDPModule):
+        tracker.on_reset(lambda: reset_fsdp_step(model))
+    handles.extend(tracker.attach(model))
+    return reducer, tracker
+
+
+def outermost_units(units: Sequence[str]) -> List[str]:
+    """Units not nested in another unit, in the plan's order (children before parents, i.e. last block first)."""
+    return [u for u in units if not any(u != other and u.startswith(f"{other}.") for other in units)]
+
+
+def apply_activation_checkpointing(model: nn.Module, units: Sequence[str]) -> None:
+    """Wrap each unit in torch's ``checkpoint_wrapper`` (non-reentrant), in place in its parent."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wanted = set(units)
+    # outermost module of each canonical name: a unit the user already wrapped is wrapped again, around the wrapper
+    seen: Set[str] = set()
+    for name, module in list(model.named_modules()):
+        canonical = canonical_name(name)
+        if canonical in wanted and canonical not in seen:
+            seen.add(canonical)
+            parent_name, _, attribute = name.rpartition(".")
+            model.get_submodule(parent_name).register_module(attribute, checkpoint_wrapper(module))
+
+
+def apply_compile(index: ModuleIndex, units: Sequence[str]) -> None:
+    """``module.compile()`` per unit (torchtitan's per-block compile): in place, so names and hooks stay."""
+    for unit in units:
+        index.outer[unit].compile()
 
 
 def check_plan_fits(model: nn.Module, plan: ShardPlan) -> None:

@@ -1,10 +1,18 @@
-"""Gradient-norm clipping over grads that mix Shard/Replicate placements, meshes and dtypes."""
+"""Gradient-norm clipping over grads that mix Shard/Replicate placements, meshes and dtypes.
+
+Grads are grouped by (mesh, placements) and, inside a group, by (device, dtype): one foreach norm kernel per bucket
+(in fp32, whatever the grad dtype), one all-reduce per group over its sharded mesh dims, one combine; the scaling is
+one foreach multiply per bucket. torchtitan's clipping is shaped the same way.
+"""
 
 import math
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import torch
 from torch import Tensor
+
+_GroupKey = Tuple[Any, Any]
+_BucketKey = Tuple[torch.device, torch.dtype]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -13,7 +21,7 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _placement_key(param: Tensor) -> Tuple[Any, Any]:
+def _placement_key(param: Tensor) -> _GroupKey:
     from torch.distributed.tensor import DTensor
 
     if isinstance(param, DTensor):
@@ -21,44 +29,46 @@ def _placement_key(param: Tensor) -> Tuple[Any, Any]:
     return None, None
 
 
+def _grouped_grads(params: Iterable[Tensor]) -> Tuple[Dict[_GroupKey, Dict[_BucketKey, List[Tensor]]], torch.device]:
+    """Local grads by placement group, then by (device, dtype). Every param's group is present, grad or not, so
+    every rank issues the same collectives."""
+    groups: Dict[_GroupKey, Dict[_BucketKey, List[Tensor]]] = {}
+    device = torch.device("cpu")
+    for param in params:
+        buckets = groups.setdefault(_placement_key(param), {})
+        device = _local(param).device
+        if param.grad is not None:
+            grad = _local(param.grad)
+            if grad.numel():
+                buckets.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups, device
+
+
 @torch.no_grad()
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
     """The global grad norm in fp32, identical on every rank.
 
-    Grads are grouped by (mesh, placements); each group's local contribution is reduced over the mesh dims it is
-    sharded on, then the groups are combined. Params without a grad contribute zero, so every rank issues the same
-    collectives.
+    Each placement group's local contribution is reduced over the mesh dims it is sharded on, then the groups are
+    combined. Params without a grad contribute zero.
     """
     import torch.distributed as dist
 
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    contributions: Dict[Tuple[Any, Any], Tensor] = {}
-    for param in parameters:
-        key = _placement_key(param)
-        grad = param.grad
-        local = _local(grad) if grad is not None else None
-        device = _local(param).device
-        if local is None or local.numel() == 0:
-            value = torch.zeros((), dtype=torch.float32, device=device)
-        else:
-            value = torch.linalg.vector_norm(local, norm_type, dtype=torch.float32)
-            value = value if is_inf else value.pow(norm_type)
-        previous = contributions.get(key)
-        contributions[key] = (
-            value if previous is None else (torch.maximum(previous, value) if is_inf else previous + value)
-        )
-
-    total: Optional[Tensor] = None
-    for (mesh, placements), value in contributions.items():
+    groups, device = _grouped_grads(parameters)
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for (mesh, placements), buckets in groups.items():
+        norms = [n for grads in buckets.values() for n in torch._foreach_norm(grads, norm_type, dtype=torch.float32)]
+        value = torch.zeros((), dtype=torch.float32, device=device)
+        if norms:
+            stacked = torch.stack([n.to(device) for n in norms])
+            value = stacked.max() if is_inf else stacked.pow(norm_type).sum()
         if mesh is not None:
             for dim, placement in enumerate(placements):
                 if not placement.is_replicate():
-                    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
                     dist.all_reduce(value, op=op, group=mesh.get_group(dim))
-        total = value if total is None else (torch.maximum(total, value) if is_inf else total + value)
-    if total is None:
-        return torch.zeros((), dtype=torch.float32)
+        total = torch.maximum(total, value) if is_inf else total + value
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
@@ -67,7 +77,7 @@ def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes."""
-    params = [p for p in parameters]
+    params = list(parameters)
     total = total_grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -75,8 +85,8 @@ def clip_grad_norm_(
             " clipped. Set `error_if_nonfinite=False` to clip anyway."
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for param in params:
-        if param.grad is not None:
-            local = _local(param.grad)
-            local.mul_(coefficient.to(device=local.device, dtype=local.dtype))
+    groups, _ = _grouped_grads(params)
+    for buckets in groups.values():
+        for (device, dtype), grads in buckets.items():
+            torch._foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
     return total

@@ -25,6 +25,13 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
+def user_class_name(module: nn.Module) -> str:
+    """The model's own class name, not FSDP's dynamic ``FSDP<Name>`` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 class ModuleIndex:
     """Modules by canonical name: ``outer`` is the outermost module of that name (the wrapper, where FSDP and AC go,
     as in torchtitan), ``inner`` the innermost (the user's own module, whose class and hooks matter)."""

@@ -6,7 +6,7 @@ unmodified module forwards (HF modules included) see plain tensors, the way FSDP
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.sharding.names import ModuleIndex
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
-from lightning_mixedfsdp.sharding.tensors import cast_floating, tensors_in
+from lightning_mixedfsdp.sharding.tensors import cast_floating
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -28,6 +28,7 @@ class ReplicatedParam:
     attribute: str
     param: nn.Parameter
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
 
 
 def replicate_params(
@@ -43,7 +44,7 @@ def replicate_params(
     replicated: List[ReplicatedParam] = []
     for group in plan.replicated_groups:
         entries = [_to_replicate_dtensor(index, name, group, mesh, device) for name in group.params]
-        handles.extend(_install_swap_hooks(index.outer[group.unit], entries))
+        handles.extend(_install_swap_hooks(index, group.unit, entries))
         for module_name in group.modules:
             handles.extend(install_cast_hooks(index.inner[module_name], group.key.compute, group.key.output))
         replicated.extend(entries)
@@ -89,26 +90,65 @@ def _to_replicate_dtensor(
         requires_grad=param.requires_grad,
     )
     owner._parameters[attribute] = replica
-    return ReplicatedParam(name, owner, attribute, replica, group.key.compute)
+    return ReplicatedParam(name, owner, attribute, replica, group.key.compute, group.key.reduce)
 
 
-def _install_swap_hooks(unit: nn.Module, entries: List[ReplicatedParam]) -> List[RemovableHandle]:
-    def swap_in(*_: Any) -> None:
-        for entry in entries:
-            view = entry.param.to_local()
-            # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
-            view = view.to(entry.compute_dtype) if view.dtype != entry.compute_dtype else view
-            # the instance attribute shadows `_parameters[...]`, so module code reads a plain tensor
-            object.__setattr__(entry.owner, entry.attribute, view)
+class _SwapScope:
+    """Which module swapped a unit's replicas in: the first level entered does it, inner levels then only read.
 
-    def swap_out(*_: Any) -> None:
-        for entry in entries:
-            entry.owner.__dict__.pop(entry.attribute, None)
+    Levels, outermost first: the unit as sharded (a checkpoint or compile wrapper), the user's own unit module, and
+    each owner of a replica. In eager mode a checkpoint recompute in backward re-enters only the inner levels, so they
+    swap the views in again; under ``torch.compile`` the recompute is part of the compiled graph and the inner levels
+    only read, so no mutation happens inside a checkpointed region (which dynamo cannot trace).
+    """
 
-    return [
-        unit.register_forward_pre_hook(swap_in, prepend=True),
-        unit.register_forward_hook(swap_out, always_call=True),
-    ]
+    def __init__(self) -> None:
+        self.active: Optional[nn.Module] = None
+
+    def install(self, module: nn.Module, entries: List[ReplicatedParam]) -> List[RemovableHandle]:
+        def enter(entered: nn.Module, *_: Any) -> None:
+            if self.active is None:
+                _swap_in(entries)
+                self.active = entered
+
+        def leave(left: nn.Module, *_: Any) -> None:
+            if self.active is left:
+                self.active = None
+                _swap_out(entries)
+
+        return [
+            module.register_forward_pre_hook(enter, prepend=True),
+            module.register_forward_hook(leave, always_call=True),
+        ]
+
+
+def _install_swap_hooks(index: ModuleIndex, unit: str, entries: List[ReplicatedParam]) -> List[RemovableHandle]:
+    """Module code reads plain local views of the replicas while their unit runs, and while activation
+    checkpointing recomputes the unit or a part of it."""
+    scope = _SwapScope()
+    levels = list(dict.fromkeys([index.outer[unit], index.inner[unit]]))
+    handles = [handle for level in levels for handle in scope.install(level, entries)]
+    by_owner: Dict[nn.Module, List[ReplicatedParam]] = {}
+    for entry in entries:
+        if entry.owner not in levels:
+            by_owner.setdefault(entry.owner, []).append(entry)
+    for owner, owned in by_owner.items():
+        handles += scope.install(owner, owned)
+    return handles
+
+
+def _swap_in(entries: Sequence[ReplicatedParam]) -> None:
+    for entry in entries:
+        view = entry.param.to_local()
+        # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
+        view = view.to(entry.compute_dtype) if view.dtype != entry.compute_dtype else view
+        # the instance attribute shadows `_parameters[...]`, so module code reads a plain tensor
+        object.__setattr__(entry.owner, entry.attribute, view)
+
+
+def _swap_out(entries: Sequence[ReplicatedParam]) -> None:
+    for entry in entries:
+        entry.owner.__dict__.pop(entry.attribute, None)
 
 
 def _buckets_by_dtype(tensors: Sequence[Tensor]) -> Dict[torch.dtype, List[Tensor]]:
@@ -126,73 +166,94 @@ def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
 
 
 class ReplicatedGradReducer:
-    """Averages the grads of replicated params over all data-parallel ranks once per backward.
+    """Reduces the grads of replicated params over all data-parallel ranks once per backward, under the contract
+    FSDP applies to the sharded grads of the same step: the plan's reduce dtype, and FSDP's gradient divide factor
+    (``set_gradient_divide_factor``; the mean over ranks when none is set).
 
-    One all-reduce per grad dtype, each bucket carrying a presence flag per param, so a param that got no grad on some
-    rank (an unused expert) is averaged as zero there, and one that got no grad anywhere keeps ``grad=None``. Every
-    rank issues the same collectives whatever its grads, so nothing deadlocks.
+    One all-reduce per reduce dtype, each bucket carrying a presence flag per param, so a param that got no grad on
+    some rank (an unused expert) counts as zero there, and one that got no grad anywhere keeps ``grad=None``. Every
+    rank issues the same collectives whatever its grads, so nothing deadlocks. The flags are built on the device;
+    the host reads them back only when this rank lacks a grad.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: "ProcessGroup") -> None:
+    def __init__(
+        self,
+        replicas: Sequence[ReplicatedParam],
+        group: "ProcessGroup",
+        divide_factor: Callable[[], Optional[float]] = lambda: None,
+    ) -> None:
         self._buckets: Dict[torch.dtype, List[nn.Parameter]] = {}
-        for param in params:
-            if param.requires_grad:
-                self._buckets.setdefault(param.dtype, []).append(param)
+        for replica in replicas:
+            if replica.param.requires_grad:
+                self._buckets.setdefault(replica.reduce_dtype, []).append(replica.param)
         self._group = group
+        self._divide_factor = divide_factor
+        self._all_present: Dict[torch.dtype, Tensor] = {}
         self.requires_gradient_sync = True
-        self._callback_queued = False
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    def attach(self, root: nn.Module) -> List[RemovableHandle]:
-        """Reduce at the end of every backward that flows through ``root``'s outputs."""
-        return [root.register_forward_hook(self._hook_outputs)] if self._buckets else []
+    def on_backward_end(self) -> None:
+        if self.requires_gradient_sync:
+            self.reduce()
 
     @torch.no_grad()
     def reduce(self) -> None:
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
-        for params in self._buckets.values():
-            locals_ = [p.grad.to_local() if p.grad is not None else None for p in params]
-            flags = torch.tensor(
-                [g is not None for g in locals_], dtype=params[0].dtype, device=params[0].to_local().device
-            )
-            grads = [
-                g if g is not None else p.to_local().new_zeros(p.shape) for g, p in zip(locals_, params, strict=True)
+        factor = self._divide_factor()
+        for reduce_dtype, params in self._buckets.items():
+            grads = [p.grad.to_local() if p.grad is not None else None for p in params]
+            missing = any(g is None for g in grads)
+            template = params[0].to_local()
+            flags = self._presence_flags(reduce_dtype, grads, template.device)
+            values = [
+                g.to(reduce_dtype) if g is not None else template.new_zeros(p.shape, dtype=reduce_dtype)
+                for g, p in zip(grads, params, strict=True)
             ]
-            flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
-            # the flags are read on the host only when this rank lacks a grad: no device sync in the common case
-            missing = any(g is None for g in locals_)
-            present = flat[-len(params) :].tolist() if missing else [1.0] * len(params)
+            flat = torch.cat([v.reshape(-1) for v in values] + [flags])
+            if factor is None:
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
+            else:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
+                flat.div_(factor)
+            present = flat[-len(params) :].tolist() if missing else None
             offset = 0
-            for param, local, anywhere in zip(params, locals_, present, strict=True):
+            for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
                 chunk = flat[offset : offset + param.numel()].view(param.shape)
                 offset += param.numel()
-                if local is not None:
-                    local.copy_(chunk)
-                elif anywhere > 0:
-                    param.grad = DTensor.from_local(chunk.clone(), param.device_mesh, param.placements, run_check=False)
+                if grad is not None:
+                    grad.copy_(chunk)
+                elif present is not None and present[index] > 0:
+                    param.grad = _like(param, chunk.to(param.dtype))
 
-    def _hook_outputs(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        for tensor in tensors_in(output):
-            if tensor.requires_grad:
-                tensor.register_hook(self._on_backward_start)
-
-    def _on_backward_start(self, _grad: Tensor) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
-            _queue_after_backward(self._on_backward_end)
-
-    def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        if self.requires_gradient_sync:
-            self.reduce()
+    def _presence_flags(self, dtype: torch.dtype, grads: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
+        """One flag per param, made on the device from cached tensors: no host-to-device copy."""
+        ones = self._all_present.get(dtype)
+        if ones is None or ones.device != device:
+            ones = self._all_present[dtype] = torch.ones(len(grads), dtype=dtype, device=device)
+        if all(g is not None for g in grads):
+            return ones
+        zero = ones.new_zeros(())
+        return torch.stack([ones[i] if g is not None else zero for i, g in enumerate(grads)])
 
 
-def _queue_after_backward(callback: Any) -> None:
-    # Private engine API, checked on torch 2.13.0; FSDP2 queues its own post-backward callback the same way.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+def _like(param: nn.Parameter, local: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+
+
+def fsdp_gradient_divide_factor(module: nn.Module) -> Optional[float]:
+    """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own FSDP groups, if any.
+
+    Private: ``FSDPParamGroup.gradient_divide_factor``, checked on torch 2.13.0 (there is no public getter).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return groups[0].gradient_divide_factor if groups else None

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, WeakSet
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
@@ -23,12 +23,14 @@ from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
 from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes
-from lightning_mixedfsdp.sharding.names import unwrap_model
+from lightning_mixedfsdp.sharding.names import unwrap_model, user_class_name
 from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_model
 
 STRATEGY_NAME = "mixed_fsdp2"
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
+# every module set up by any mixed_fsdp2 strategy: its params are sharded and hooked, a second setup cannot work
+_SET_UP: "WeakSet[nn.Module]" = WeakSet()
 ParallelizeFn = Callable[[nn.Module, Any], nn.Module]
 
 
@@ -112,6 +114,12 @@ class ShardedModules:
         and install the optional leak check."""
         import torch.distributed as dist
 
+        if module in _SET_UP:
+            raise RuntimeError(
+                f"{STRATEGY_NAME}: this {user_class_name(module)} is already set up (sharded, with hooks installed); a"
+                " second setup would shard it again. Keep using the module the first setup returned, or build a"
+                " fresh model to set up."
+            )
         on_meta = has_meta_tensors(module)
         plan = plan_model(
             module,
@@ -129,7 +137,16 @@ class ShardedModules:
         # rank 0 alone initialises a meta model, on an unsharded copy in the dtypes it was built with, so values
         # match a single-process init (random draws depend on the dtype)
         template = meta_template(module) if on_meta and config.init_meta_params and dist.get_rank() == 0 else None
-        module, applied = apply_plan(module, plan, meshes, device, parallelize, config.reshard_after_forward)
+        module, applied = apply_plan(
+            module,
+            plan,
+            meshes,
+            device,
+            parallelize,
+            reshard_after_forward=config.reshard_after_forward,
+            checkpoint_every=config.checkpoint_every,
+            compile_units=config.compile,
+        )
         if applied is None:
             rank_zero_info(f"{STRATEGY_NAME}: the model is already sharded by the user; applying no dtype plan.")
             if on_meta:
@@ -142,6 +159,7 @@ class ShardedModules:
         if config.check_dtype_leaks and plan.bulk.compute is not None:
             applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
         self._applied[module] = applied
+        _SET_UP.add(module)
         return module
 
     def plan_of(self, module: nn.Module) -> ShardPlan:

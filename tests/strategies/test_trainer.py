@@ -8,13 +8,36 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
-from tests.scenarios import A_LOG, MIXER, BufferedLlama, describe_params, full_grads, global_batch, rank_slice
+from tests.scenarios import (
+    A_LOG,
+    MIXER,
+    BufferedLlama,
+    describe_params,
+    full_grads,
+    full_params,
+    global_batch,
+    rank_slice,
+)
 
 WORLD = 2
 
 
+class _DeviceProbe(torch.nn.Module):
+    """A param-less child with a buffer that records every move: the strategy must move it, after sharding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(3))
+        self.moves: List[str] = []
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self.moves.append("moved")
+        return super()._apply(fn, recurse)
+
+
 def _module(build_in_configure_model: bool = False, seed: int = 0, batches_by_step: bool = False) -> Any:
     import lightning.pytorch as pl
+    from torchmetrics import MeanMetric
 
     from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
@@ -23,6 +46,8 @@ def _module(build_in_configure_model: bool = False, seed: int = 0, batches_by_st
             super().__init__()
             torch.manual_seed(seed)
             self.model: Optional[torch.nn.Module] = None if build_in_configure_model else BufferedLlama(MIXER)
+            self.probe = _DeviceProbe()
+            self.mean_loss = MeanMetric()
 
         def configure_model(self) -> None:
             if self.model is None:  # builds layers only; the strategy shards them
@@ -34,7 +59,9 @@ def _module(build_in_configure_model: bool = False, seed: int = 0, batches_by_st
                 # a pure function of the step: resume then depends on model and optimizer state alone, not on
                 # where Lightning restarts a non-stateful dataloader
                 batch = rank_slice(global_batch(WORLD, self.global_step), self.global_rank, WORLD)
-            return causal_lm_loss(self.model(batch), batch)
+            loss = causal_lm_loss(self.model(batch), batch)
+            self.mean_loss.update(loss.detach())
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -101,6 +128,7 @@ def _fit(
     build_in_configure_model: bool = False,
     seed: int = 0,
     batches_by_step: bool = False,
+    strategy_fields: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -114,7 +142,7 @@ def _fit(
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=MixedFSDP2Strategy(keep_fp32_params=A_LOG),
+        strategy=MixedFSDP2Strategy(keep_fp32_params=A_LOG, **(strategy_fields or {})),
         precision="bf16-true",
         max_steps=max_steps,
         accumulate_grad_batches=accumulate,
@@ -133,7 +161,14 @@ def _fit(
     states = {
         name: optimizer.state[p]["exp_avg"].dtype for name, p in module.model.named_parameters() if p in optimizer.state
     }
+    root_device = trainer.strategy.root_device
     return {
+        "placement": {
+            "module": module.device == root_device,
+            "metric": all(t.device == root_device for t in module.mean_loss.metric_state.values()),
+            "probe_moved_after_sharding": module.probe.moves == ["moved"] and module.probe.state.device == root_device,
+        },
+        "after": full_params(module.model),
         "losses": recorder.global_losses(),
         "counts": recorder.counts,
         "grads": recorder.first_grads,
@@ -148,7 +183,16 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     uninterrupted = _fit(samples=12, batch_size=2, max_steps=6, folder=checkpoints, batches_by_step=True)
     first_epoch = sorted(checkpoints.glob("epoch=0-*"))
     resumed = _fit(samples=12, batch_size=2, max_steps=6, ckpt_path=str(first_epoch[0]), seed=5, batches_by_step=True)
+    composed = {
+        name: _fit(samples=12, batch_size=2, max_steps=3, strategy_fields=fields)
+        for name, fields in (
+            ("eager", {}),
+            ("ac", {"activation_checkpointing": "full"}),
+            ("ac_compile", {"activation_checkpointing": "full", "compile": True}),
+        )
+    }
     return {
+        **composed,
         "accumulated": _fit(samples=16, batch_size=2, max_steps=1, accumulate=4, build_in_configure_model=True),
         "single": _fit(samples=16, batch_size=8, max_steps=1),
         "uninterrupted": uninterrupted,
@@ -194,3 +238,20 @@ def test_resume_from_a_model_checkpoint_continues_with_identical_losses(results:
     uninterrupted, resumed = results[0]["uninterrupted"]["losses"], results[0]["resumed"]["losses"]
     assert len(uninterrupted) == 6 and len(resumed) == 3
     assert resumed == uninterrupted[3:]
+
+
+def test_every_buffer_and_metric_state_ends_up_on_the_root_device_after_sharding(results: list) -> None:
+    for result in results:
+        assert result["single"]["placement"] == {"module": True, "metric": True, "probe_moved_after_sharding": True}
+
+
+def test_trainer_activation_checkpointing_is_bit_equal_and_compile_within_bf16_rounding(results: list) -> None:
+    from tests.sharding.test_compose import COMPILE_LOSS_TOLERANCE, COMPILE_MAX_PARAM_DIFF, COMPILE_MEAN_PARAM_DIFF
+
+    eager, checkpointed, compiled = (results[0][k] for k in ("eager", "ac", "ac_compile"))
+    assert checkpointed["losses"] == eager["losses"]
+    torch.testing.assert_close(compiled["losses"], eager["losses"], **COMPILE_LOSS_TOLERANCE)
+    for name, value in eager["after"].items():
+        assert torch.equal(checkpointed["after"][name], value), name
+        difference = (compiled["after"][name].float() - value.float()).abs()
+        assert difference.max() <= COMPILE_MAX_PARAM_DIFF and difference.mean() <= COMPILE_MEAN_PARAM_DIFF, name

@@ -1,0 +1,98 @@
+"""The life cycle of a step on a sharded root: the callback when a backward finishes, and recovery when a forward or
+backward raised (an OOM caught by the training loop, a NaN guard) before the next forward."""
+
+from typing import Any, Callable, List
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mixedfsdp.sharding.tensors import tensors_in
+
+
+class StepTracker:
+    """Tracks a root module's forwards and the backwards through their outputs.
+
+    ``on_backward_end`` callbacks run once at the end of every backward (two forwards before one backward still make
+    one backward). If a forward or a backward raised, its end never came: the next root forward runs the
+    ``on_reset`` callbacks first (FSDP's ``reset_iter_state``) and forgets the queued state, so the step after a
+    caught failure behaves like a step after a skipped one.
+    """
+
+    def __init__(self) -> None:
+        self._end_callbacks: List[Callable[[], None]] = []
+        self._reset_callbacks: List[Callable[[], None]] = []
+        self._forward_running = False
+        self._backward_pending = False
+        self.resets = 0
+
+    def on_backward_end(self, callback: Callable[[], None]) -> None:
+        self._end_callbacks.append(callback)
+
+    def on_reset(self, callback: Callable[[], None]) -> None:
+        self._reset_callbacks.append(callback)
+
+    def attach(self, root: nn.Module) -> List[RemovableHandle]:
+        # before FSDP's own pre-forward (which unshards); the post-hook is not always_call: it runs only when the
+        # forward returned
+        return [
+            root.register_forward_pre_hook(self._before_forward, prepend=True),
+            root.register_forward_hook(self._after_forward),
+        ]
+
+    @torch._dynamo.disable
+    def _before_forward(self, *_: Any) -> None:
+        if (self._forward_running or self._backward_pending) and not _inside_backward():
+            self._forward_running = self._backward_pending = False
+            self.resets += 1
+            for reset in self._reset_callbacks:
+                reset()
+        self._forward_running = True
+
+    @torch._dynamo.disable
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._forward_running = False
+        for tensor in tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_backward_start)
+
+    def _on_backward_start(self, _grad: Tensor) -> None:
+        if not self._backward_pending:
+            self._backward_pending = True
+            _queue_after_backward(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._backward_pending = False
+        for callback in self._end_callbacks:
+            callback()
+
+
+def _queue_after_backward(callback: Callable[[], None]) -> None:
+    # Private engine API, checked on torch 2.13.0; FSDP2 queues its own post-backward callback the same way.
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def reset_fsdp_step(root: nn.Module) -> None:
+    """FSDP's own recovery for ``root`` (a root FSDPModule), plus the grads it leaves behind.
+
+    ``FSDPModule.reset_iter_state`` (torch 2.13.0) reshards and drops in-flight reductions, but the grads a failed
+    backward already accumulated on the unsharded params stay there and would be added to the next step's. They are
+    dropped through private attributes (``FSDPParam._unsharded_param`` / ``unsharded_accumulated_grad``), checked on
+    torch 2.13.0; a param never all-gathered has no unsharded param yet.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    root.reset_iter_state()
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+
+
+def _inside_backward() -> bool:
+    # Private, checked on torch 2.13.0: -1 outside the autograd engine (a forward inside a backward is no failure).
+    return torch._C._current_graph_task_id() != -1
