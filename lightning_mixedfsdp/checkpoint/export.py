@@ -3,16 +3,17 @@
 import json
 import re
 from pathlib import Path
-from typing import Collection, Dict, List, Optional, Sequence, Union
+from typing import Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp.sharding.names import unwrap_model
+from lightning_mixedfsdp.sharding.names import unwrap_model, user_class
 
 PathLike = Union[str, Path]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def export_dtypes(
@@ -65,17 +66,19 @@ def export_model(
 ) -> Optional[List[Path]]:
     """Gather the full weights on rank 0 and write them as safetensors; every rank must call it.
 
-    Params in ``keep_fp32_names`` (or matching ``keep_fp32_patterns`` when given) are written in fp32, the rest in
-    ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the export.
-    Returns the written files on rank 0, None elsewhere.
+    Tensors in ``keep_fp32_names`` (or matching ``keep_fp32_patterns`` when given) are written in fp32, the rest in
+    ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the export. A PEFT
+    model is exported merged (its adapters folded into the base weights, by peft's own ``merge_and_unload``), under
+    the base model's names. Returns the written files on rank 0, None elsewhere.
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = unwrap_model(model)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = full_state_dict(model)
     if dist.get_rank() != 0:
         return None
+    if _is_peft_model(model):
+        state, keep_fp32_names = _merged_peft_state(model, state, keep_fp32_names)
     if keep_fp32_patterns is not None:
         targets = export_dtypes(list(state), dtype, keep_fp32_patterns, patterns=True)
     else:
@@ -87,3 +90,74 @@ def export_model(
     if config is not None and hasattr(config, "save_pretrained"):
         config.save_pretrained(str(directory))
     return files
+
+
+def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]]:
+    """Write a PEFT model's active adapter in PEFT's own format (``adapter_model.safetensors`` and
+    ``adapter_config.json``), so ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank must call it;
+    rank 0 writes. The adapter keeps its storage dtype (fp32 master weights under ``bf16-mixed``)."""
+    import torch.distributed as dist
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    model = unwrap_model(model)
+    if not _is_peft_model(model):
+        raise TypeError(
+            f"export_adapter: {type(model).__name__} is not a PEFT model; use export_safetensors for its weights, or"
+            " wrap the model with peft.get_peft_model before setup."
+        )
+    state = full_state_dict(model)
+    if dist.get_rank() != 0:
+        return None
+    adapter = model.active_adapter
+    weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / ADAPTER_FILE
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(path), metadata={"format": "pt"})
+    model.peft_config[adapter].save_pretrained(str(directory))
+    return [path]
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
+    """The full (gathered) state dict on rank 0, offloaded to the CPU; empty elsewhere. Names are canonical."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def _merged_peft_state(
+    model: nn.Module, state: Dict[str, Tensor], keep_fp32_names: Collection[str]
+) -> Tuple[Dict[str, Tensor], List[str]]:
+    """The merged weights of a PEFT model under its base model's names, computed by peft on an unsharded copy that
+    rank 0 builds from the base model's class and config (the export needs the full model on rank 0 anyway)."""
+    import copy
+
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    config = getattr(base, "config", None)
+    if config is None:
+        raise TypeError(
+            f"export_safetensors: merging the adapters of a PEFT model needs a Hugging Face base model (with a config);"
+            f" {type(base).__name__} has none. Export the adapter with export_adapter instead."
+        )
+    with torch.device("meta"):
+        copy_of_base = user_class(base)(copy.deepcopy(config))
+    adapter = model.active_adapter
+    unsharded = get_peft_model(copy_of_base, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
+    unsharded.load_state_dict(state, strict=True, assign=True)
+    if hasattr(copy_of_base, "tie_weights"):
+        copy_of_base.tie_weights()  # assign=True replaced the tied tensors one by one
+    merged = unsharded.merge_and_unload()
+    prefix = "base_model.model."
+    keep = [n[len(prefix) :].replace(".base_layer.", ".") for n in keep_fp32_names if n.startswith(prefix)]
+    return merged.state_dict(), keep

@@ -25,11 +25,15 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     return getattr(module, "_orig_mod", module)
 
 
-def user_class_name(module: nn.Module) -> str:
-    """The model's own class name, not FSDP's dynamic ``FSDP<Name>`` subclass."""
+def user_class(module: nn.Module) -> type:
+    """The model's own class, not FSDP's dynamic ``FSDP<Name>`` subclass."""
     from torch.distributed.fsdp import FSDPModule
 
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def user_class_name(module: nn.Module) -> str:
+    return user_class(module).__name__
 
 
 class ModuleIndex:

@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mixedfsdp.checkpoint.atomic import commit, is_sharded_checkpoint, recover, temp_sibling
-from lightning_mixedfsdp.checkpoint.export import export_model
+from lightning_mixedfsdp.checkpoint.export import export_adapter, export_model
 from lightning_mixedfsdp.checkpoint.meta import has_meta_tensors, materialize_sharded, meta_template
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
@@ -276,6 +276,12 @@ class MixedFSDP2Mixin:
         names matching ``keep_fp32_patterns``) and its fp32 buffers stay fp32. Every rank calls it; rank 0 writes."""
         keep = self.plan_of(module).fp32_names
         return export_model(module, directory, dtype, keep, keep_fp32_patterns, max_shard_bytes)
+
+    def export_adapter(self, module: nn.Module, directory: Any) -> Optional[List[Path]]:
+        """Write the active adapter of a PEFT ``module`` in PEFT's own format (``adapter_model.safetensors`` +
+        ``adapter_config.json``); ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank calls it."""
+        self.plan_of(module)  # set up by this strategy
+        return export_adapter(module, directory)
 
     def _save_atomically(self, path: Any, write: Callable[[Path], None]) -> None:
         """Write with ``write`` beside ``path``, then commit by rename on rank 0: a kill leaves a whole checkpoint."""
