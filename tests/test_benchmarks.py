@@ -47,3 +47,33 @@ def test_buffer_numerics_runs_and_only_the_bf16_inv_freq_run_drifts(capsys) -> N
     glm = results["router"]["cases"]["uniform in [6.817, 7.063] (GLM-5.2)"]
     assert glm["distinct_values_bf16"] < glm["distinct_values_fp32"] and glm["bf16_unmoved_after_100_updates"] == 1.0
     assert "(b) Router" in capsys.readouterr().out
+
+
+def test_composition_runs_every_mode_and_lora_pinning_halves_the_base(capsys) -> None:
+    from benchmarks import composition
+
+    argv = ["--layers", "2", "--dim", "32", "--steps", "1", "--warmup", "1", "--modes", "plain", "ac"]
+    results = composition.main(argv)
+    modes = results["modes"]
+    assert modes["ac"]["mixed_fsdp2"]["saved_mib"] < modes["plain"]["mixed_fsdp2"]["saved_mib"]
+    lora = results["lora"]
+    pinned, fp32 = lora["base pinned to bf16 (default)"], lora["base kept in fp32"]
+    assert pinned["params_mib"] < 0.6 * fp32["params_mib"]
+    assert "| ac |" in capsys.readouterr().out
+
+
+def test_clip_benchmark_runs(capsys) -> None:
+    from benchmarks import clip
+
+    result = clip.main(["--layers", "4", "--repeats", "2", "--device", "cpu"])
+    assert len(result["ms"]) == 3 and all(ms > 0 for ms in result["ms"].values())
+    assert "| torch clip_grad_norm_, uniform bf16 FSDP2 |" in capsys.readouterr().out
+
+
+def test_hf_fsdp_peer_runs_and_only_mixed_fsdp2_keeps_norms_fp32_in_bf16(capsys) -> None:
+    from benchmarks import hf_fsdp_peer
+
+    results = hf_fsdp_peer.main(["--layers", "2", "--hidden", "64", "--steps", "1", "--warmup", "1"])
+    assert results["transformers FSDP2, bf16 load"]["fp32"] == []
+    assert "model.norm.weight" in results["mixed_fsdp2, bf16-true"]["fp32"]
+    assert "| mixed_fsdp2, bf16-true |" in capsys.readouterr().out
