@@ -6,7 +6,7 @@ one foreach multiply per bucket. torchtitan's clipping is shaped the same way.
 """
 
 import math
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,19 +29,22 @@ def _placement_key(param: Tensor) -> _GroupKey:
     return None, None
 
 
-def _grouped_grads(params: Iterable[Tensor]) -> Tuple[Dict[_GroupKey, Dict[_BucketKey, List[Tensor]]], torch.device]:
-    """Local grads by placement group, then by (device, dtype). Every param's group is present, grad or not, so
-    every rank issues the same collectives."""
-    groups: Dict[_GroupKey, Dict[_BucketKey, List[Tensor]]] = {}
-    device = torch.device("cpu")
+_Groups = Dict[_GroupKey, Dict[_BucketKey, List[Tensor]]]
+
+
+def _grouped_grads(params: Iterable[Tensor]) -> Tuple[_Groups, torch.device]:
+    """Local grads by placement group, then by (device, dtype), in one pass. Every param's group is present, grad or
+    not, so every rank issues the same collectives."""
+    groups: _Groups = {}
+    device: Optional[torch.device] = None
     for param in params:
         buckets = groups.setdefault(_placement_key(param), {})
-        device = _local(param).device
         if param.grad is not None:
             grad = _local(param.grad)
+            device = device or grad.device
             if grad.numel():
                 buckets.setdefault((grad.device, grad.dtype), []).append(grad)
-    return groups, device
+    return groups, device or torch.device("cpu")
 
 
 @torch.no_grad()
@@ -51,11 +54,13 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     Each placement group's local contribution is reduced over the mesh dims it is sharded on, then the groups are
     combined. Params without a grad contribute zero.
     """
+    return _total_norm(*_grouped_grads(parameters), float(norm_type))
+
+
+def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tensor:
     import torch.distributed as dist
 
-    norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    groups, device = _grouped_grads(parameters)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, placements), buckets in groups.items():
@@ -77,15 +82,14 @@ def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes."""
-    params = list(parameters)
-    total = total_grad_norm(params, norm_type)
+    groups, device = _grouped_grads(parameters)
+    total = _total_norm(groups, device, float(norm_type))
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients is non-finite ({total.item()}), so it cannot be"
             " clipped. Set `error_if_nonfinite=False` to clip anyway."
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    groups, _ = _grouped_grads(params)
     for buckets in groups.values():
         for (device, dtype), grads in buckets.items():
             torch._foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
