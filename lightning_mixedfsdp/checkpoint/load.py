@@ -1,57 +1,26 @@
 """Loading weights without losing a dtype: dtype-aware casting and rank-0-only reads into sharded models."""
 
 from pathlib import Path
-from typing import Any, Collection, Dict, Optional, Union
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
+from lightning_mixedfsdp.checkpoint.stream import produce_each, stream_into, tensor_targets
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.sharding.matching import KeepFp32Rules, match_keep_fp32
-from lightning_mixedfsdp.sharding.names import unwrap_model
+from lightning_mixedfsdp.sharding.names import canonical_name, unwrap_model
 
 PathLike = Union[str, Path]
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
     """A flat tensor dict from a ``.safetensors`` file, an HF export folder (single file or sharded with an index),
     or a torch file (memory-mapped, weights only)."""
-    path = Path(path)
-    if path.is_dir():
-        return _read_export_folder(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(
-            f"read_state_dict: {str(path)!r} does not hold a flat name -> tensor dict; for a Fabric checkpoint pass"
-            " its 'model' entry, e.g. torch.save(torch.load(path)['model'], 'weights.pt')."
-        )
-    return state
-
-
-def _read_export_folder(folder: Path) -> Dict[str, Tensor]:
-    import json
-
-    from safetensors.torch import load_file
-
-    index = folder / SAFETENSORS_INDEX
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise FileNotFoundError(
-            f"read_state_dict: {str(folder)!r} has neither model.safetensors nor model.safetensors.index.json;"
-            " pass the weights file itself."
-        )
-    state: Dict[str, Tensor] = {}
-    for name in files:
-        state.update(load_file(str(folder / name)))
-    return state
+    reader = CheckpointReader(path)
+    return {name: reader.get(name) for name in reader.keys()}
 
 
 def dtype_aware(
@@ -90,37 +59,129 @@ def load_weights(
     return model
 
 
-def load_full_weights(model: nn.Module, path: PathLike, strict: bool = True) -> None:
-    """Load a full checkpoint into a sharded model: only rank 0 reads ``path``.
+def load_full_weights(
+    model: nn.Module, path: PathLike, strict: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> None:
+    """Load a full checkpoint into a sharded model: rank 0 alone reads ``path``, tensor by tensor (safetensors and
+    torch files are memory-mapped), and streams it in chunks of about ``chunk_bytes``, so no rank holds more than one
+    chunk beyond its shards.
 
-    Every tensor is cast on rank 0 to the dtype the plan gave the matching param or buffer, and the names, shapes
-    and dtypes are agreed with every rank before any tensor moves, so no rank waits on a mismatched collective.
+    Names and shapes are agreed with every rank before any tensor moves, so no rank waits on a mismatched
+    collective. Every tensor takes the dtype the plan gave the matching param or buffer (a checkpoint's fp32 tensor
+    kept fp32 by the plan stays exact). Tied copies in the checkpoint are accepted and skipped.
     """
     import torch.distributed as dist
 
     model = unwrap_model(model)
-    state: Optional[Dict[str, Tensor]] = read_state_dict(path) if dist.get_rank() == 0 else None
-    broadcast_full_state(model, state, strict=strict)
+    targets = tensor_targets(model)
+    expected = {name: tuple(targets[name].shape) for name in _persistent_names(model)}
+    aliases = _tied_aliases(model)
+    agreed: List[Any] = [None, []]
+    reader = CheckpointReader(path) if dist.get_rank() == 0 else None
+    if reader is not None:
+        sources = {aliases.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in aliases)}
+        found = {name: reader.shape(key) for name, key in sources.items()}
+        agreed = [_mismatches(expected, found, strict), [name for name in expected if name in found]]
+    dist.broadcast_object_list(agreed, src=0)
+    if agreed[0]:
+        raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {agreed[0]}")
+    chunks = _byte_chunks(targets, agreed[1], chunk_bytes)
+    produce = None
+    if reader is not None:
+        produce = produce_each(chunks, lambda chunk: {name: reader.get(sources[name]) for name in chunk})
+    stream_into(model, chunks, produce)
 
 
-def broadcast_full_state(model: nn.Module, full_state: Optional[Dict[str, Tensor]], strict: bool = True) -> None:
-    """Rank 0 holds ``full_state`` (others pass None); shards, replicas and persistent buffers are filled from it."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+class CheckpointReader:
+    """Rank 0's lazy view of a checkpoint: names and shapes from the metadata, one tensor at a time on demand.
 
-    local = model.state_dict()
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in local.items()}
-    problems = [None]
-    if full_state is not None:
-        full_state = {
-            k: v.to(expected[k][1]) if k in expected and v.is_floating_point() else v for k, v in full_state.items()
-        }
-        problems = [_mismatches(expected, {k: (tuple(v.shape), v.dtype) for k, v in full_state.items()}, strict)]
-    dist.broadcast_object_list(problems, src=0)
-    if problems[0]:
-        raise ValueError(f"load_full_weights: the checkpoint does not fit the model: {problems[0]}")
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(model, full_state if full_state is not None else {}, options=options)
+    Reads a ``.safetensors`` file, an HF folder (``model.safetensors`` or shards with an index), or a torch file
+    (memory-mapped, weights only).
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        path = Path(path)
+        self._files: Dict[str, Any] = {}
+        if path.is_dir() or path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            for file in _safetensors_files(path):
+                handle = safe_open(str(file), framework="pt", device="cpu")
+                self._files.update(dict.fromkeys(handle.keys(), handle))
+            self._torch: Optional[Dict[str, Tensor]] = None
+        else:
+            self._torch = _torch_state(path)
+
+    def keys(self) -> List[str]:
+        return list(self._torch) if self._torch is not None else list(self._files)
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        if self._torch is not None:
+            return tuple(self._torch[name].shape)
+        return tuple(self._files[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> Tensor:
+        return self._torch[name] if self._torch is not None else self._files[name].get_tensor(name)
+
+
+def _safetensors_files(path: Path) -> List[Path]:
+    if not path.is_dir():
+        return [path]
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        import json
+
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (path / SINGLE_FILE).is_file():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(
+        f"{str(path)!r} has neither {SINGLE_FILE} nor {SAFETENSORS_INDEX}; pass the weights file itself."
+    )
+
+
+def _torch_state(path: Path) -> Dict[str, Tensor]:
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(
+            f"read_state_dict: {str(path)!r} does not hold a flat name -> tensor dict; for a Fabric checkpoint pass"
+            " its 'model' entry, e.g. torch.save(torch.load(path)['model'], 'weights.pt')."
+        )
+    return state
+
+
+def _persistent_names(model: nn.Module) -> List[str]:
+    """Params (tied ones once) and persistent buffers, by canonical name: what a checkpoint holds."""
+    names = [canonical_name(n) for n, _ in model.named_parameters()]
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module._buffers.items():
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+                names.append(canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name))
+    return list(dict.fromkeys(names))
+
+
+def _tied_aliases(model: nn.Module) -> Dict[str, str]:
+    """Second names of tied params (``lm_head.weight``) -> the name the param is known by."""
+    first: Dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        known = first.setdefault(id(param), canonical_name(name))
+        if known != canonical_name(name):
+            aliases[canonical_name(name)] = known
+    return aliases
+
+
+def _byte_chunks(targets: Dict[str, Tensor], names: Sequence[str], chunk_bytes: int) -> List[List[str]]:
+    """Consecutive names, about ``chunk_bytes`` of full tensors each (one larger tensor travels alone)."""
+    chunks: List[List[str]] = [[]]
+    size = 0
+    for name in names:
+        nbytes = targets[name].numel() * targets[name].element_size()
+        if chunks[-1] and size + nbytes > chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(name)
+        size += nbytes
+    return [chunk for chunk in chunks if chunk]
 
 
 def _mismatches(expected: Dict[str, Any], found: Dict[str, Any], strict: bool) -> str:

@@ -136,7 +136,7 @@ class ShardedModules:
             rank_zero_info(plan.report())
         # rank 0 alone initialises a meta model, on an unsharded copy in the dtypes it was built with, so values
         # match a single-process init (random draws depend on the dtype)
-        template = meta_template(module) if on_meta and config.init_meta_params and dist.get_rank() == 0 else None
+        template = meta_template(module) if on_meta and dist.get_rank() == 0 else None
         module, applied = apply_plan(
             module,
             plan,
@@ -150,10 +150,10 @@ class ShardedModules:
         if applied is None:
             rank_zero_info(f"{STRATEGY_NAME}: the model is already sharded by the user; applying no dtype plan.")
             if on_meta:
-                materialize_sharded(module, None, device, initialise=False)
+                materialize_sharded(module, template, (), device, initialise=False)
             return module
         if on_meta:
-            materialize_sharded(module, template, device, initialise=config.init_meta_params)
+            materialize_sharded(module, template, plan.units, device, initialise=config.init_meta_params)
         else:
             sync_replicas(applied, meshes)
         if config.check_dtype_leaks and plan.bulk.compute is not None:

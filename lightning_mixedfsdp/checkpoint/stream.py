@@ -1,0 +1,94 @@
+"""Filling a sharded model from full tensors that rank 0 produces one chunk at a time (a wrap unit, or one root-level
+module), so no rank ever holds more than one chunk beyond its shards.
+
+Per chunk: rank 0 reports whether it could produce the chunk (an error reaches every rank, so none waits on a
+collective), then one broadcast per dtype carries the chunk, cast to the dtypes the sharded model holds, and every
+rank keeps its own slice (``distribute_tensor(..., src_data_rank=None)``: any placement, no further communication).
+"""
+
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mixedfsdp.sharding.names import canonical_name
+
+Chunk = List[str]
+"""Canonical names of the params and buffers that travel together."""
+
+
+def tensor_targets(model: nn.Module) -> Dict[str, Tensor]:
+    """Every param (tied ones once) and buffer of a sharded model, by canonical name: where full values go."""
+    targets: Dict[str, Tensor] = {canonical_name(n): p for n, p in model.named_parameters()}
+    targets.update({canonical_name(n): b for n, b in model.named_buffers()})
+    return targets
+
+
+def stream_into(
+    model: nn.Module,
+    chunks: Sequence[Chunk],
+    produce: Optional[Iterator[Tuple[Optional[str], Dict[str, Tensor]]]],
+) -> None:
+    """Fill ``model``'s tensors chunk by chunk. Rank 0 passes ``produce``, yielding per chunk ``(error, tensors)``
+    in the order of ``chunks``; the other ranks pass None. Names missing from the model are skipped (tied copies)."""
+    import torch.distributed as dist
+
+    targets = tensor_targets(model)
+    for chunk in chunks:
+        error, tensors = next(produce) if produce is not None else (None, {})
+        status = [error]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise RuntimeError(status[0])
+        names = [name for name in chunk if name in targets]
+        with torch.no_grad():
+            _broadcast_chunk([(name, targets[name]) for name in names], tensors)
+
+
+def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Dict[str, Tensor]) -> None:
+    import torch.distributed as dist
+
+    for dtype, members in _by_dtype(targets).items():
+        device = _local(members[0][1]).device
+        flat = torch.empty(sum(t.numel() for _, t in members), dtype=dtype, device=device)
+        if full:
+            offset = 0
+            for name, target in members:
+                flat[offset : offset + target.numel()].copy_(full[name].reshape(-1))
+                offset += target.numel()
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for _, target in members:
+            _fill(target, flat[offset : offset + target.numel()].view(target.shape))
+            offset += target.numel()
+
+
+def _fill(target: Tensor, full: Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def _by_dtype(targets: Iterable[Tuple[str, Tensor]]) -> Dict[torch.dtype, List[Tuple[str, Tensor]]]:
+    buckets: Dict[torch.dtype, List[Tuple[str, Tensor]]] = {}
+    for name, target in targets:
+        buckets.setdefault(target.dtype, []).append((name, target))
+    return buckets
+
+
+def _local(tensor: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def produce_each(
+    chunks: Sequence[Chunk], read: Callable[[Chunk], Dict[str, Tensor]]
+) -> Iterator[Tuple[Optional[str], Dict[str, Tensor]]]:
+    """``produce`` for a reader that can fetch any chunk on demand (a checkpoint file)."""
+    for chunk in chunks:
+        yield None, read(chunk)
