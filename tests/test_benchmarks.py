@@ -1,6 +1,7 @@
 """Each benchmark script runs end to end at tiny sizes, so none can rot. Timings are printed, never asserted."""
 
 import json
+import os
 from pathlib import Path
 
 from benchmarks import collectives_and_speed, numerics, setup_cost
@@ -77,3 +78,29 @@ def test_hf_fsdp_peer_runs_and_only_mixed_fsdp2_keeps_norms_fp32_in_bf16(capsys)
     assert results["transformers FSDP2, bf16 load"]["fp32"] == []
     assert "model.norm.weight" in results["mixed_fsdp2, bf16-true"]["fp32"]
     assert "| mixed_fsdp2, bf16-true |" in capsys.readouterr().out
+
+
+def test_meta_memory_benchmark_measures_one_launch(tmp_path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import meta_memory
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    for key, value in tiny.items():
+        monkeypatch.setitem(meta_memory.CONFIG, key, value)
+    meta_memory.save_copy(str(tmp_path))
+    assert (tmp_path / "model.safetensors").is_file()
+    # the measuring run launches its own processes, as a user runs it; Lightning re-runs this script for rank 1
+    script = tmp_path / "measure.py"
+    script.write_text(f"from benchmarks import meta_memory\nmeta_memory.CONFIG.update({tiny!r})\nmeta_memory.main()\n")
+    completed = subprocess.run(
+        [sys.executable, str(script), "--load", str(tmp_path), "--scenario", "load"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "| load_full_weights of the saved copy |" in completed.stdout

@@ -1,7 +1,8 @@
 """Loading weights without losing a dtype: dtype-aware casting and rank-0-only reads into sharded models."""
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +14,7 @@ from lightning_mixedfsdp.sharding.matching import KeepFp32Rules, match_keep_fp32
 from lightning_mixedfsdp.sharding.names import canonical_name, unwrap_model
 
 PathLike = Union[str, Path]
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
@@ -88,7 +89,7 @@ def load_full_weights(
     chunks = _byte_chunks(targets, agreed[1], chunk_bytes)
     produce = None
     if reader is not None:
-        produce = produce_each(chunks, lambda chunk: {name: reader.get(sources[name]) for name in chunk})
+        produce = produce_each(chunks, lambda chunk: _LazyChunk(reader, sources, chunk))
     stream_into(model, chunks, produce)
 
 
@@ -96,32 +97,56 @@ class CheckpointReader:
     """Rank 0's lazy view of a checkpoint: names and shapes from the metadata, one tensor at a time on demand.
 
     Reads a ``.safetensors`` file, an HF folder (``model.safetensors`` or shards with an index), or a torch file
-    (memory-mapped, weights only).
+    (memory-mapped, weights only). A safetensors file is opened for each read and closed after it, so the pages read
+    do not stay mapped in this process.
     """
 
     def __init__(self, path: PathLike) -> None:
         path = Path(path)
-        self._files: Dict[str, Any] = {}
+        self._file_of: Dict[str, Path] = {}
+        self._shapes: Dict[str, Tuple[int, ...]] = {}
+        self._torch: Optional[Dict[str, Tensor]] = None
         if path.is_dir() or path.suffix == ".safetensors":
             from safetensors import safe_open
 
             for file in _safetensors_files(path):
-                handle = safe_open(str(file), framework="pt", device="cpu")
-                self._files.update(dict.fromkeys(handle.keys(), handle))
-            self._torch: Optional[Dict[str, Tensor]] = None
+                with safe_open(str(file), framework="pt", device="cpu") as handle:
+                    for name in handle.keys():
+                        self._file_of[name] = file
+                        self._shapes[name] = tuple(handle.get_slice(name).get_shape())
         else:
             self._torch = _torch_state(path)
+            self._shapes = {name: tuple(t.shape) for name, t in self._torch.items()}
 
     def keys(self) -> List[str]:
-        return list(self._torch) if self._torch is not None else list(self._files)
+        return list(self._shapes)
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        if self._torch is not None:
-            return tuple(self._torch[name].shape)
-        return tuple(self._files[name].get_slice(name).get_shape())
+        return self._shapes[name]
 
     def get(self, name: str) -> Tensor:
-        return self._torch[name] if self._torch is not None else self._files[name].get_tensor(name)
+        if self._torch is not None:
+            return self._torch[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self._file_of[name]), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(name)
+
+
+class _LazyChunk(Mapping):
+    """A chunk's tensors, each read when the stream copies it: one tensor in memory at a time."""
+
+    def __init__(self, reader: CheckpointReader, sources: Dict[str, str], names: Sequence[str]) -> None:
+        self._reader, self._sources, self._names = reader, sources, list(names)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._reader.get(self._sources[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _safetensors_files(path: Path) -> List[Path]:

@@ -6,6 +6,7 @@ collective), then one broadcast per dtype carries the chunk, cast to the dtypes 
 rank keeps its own slice (``distribute_tensor(..., src_data_rank=None)``: any placement, no further communication).
 """
 
+from collections.abc import Mapping
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -27,7 +28,7 @@ def tensor_targets(model: nn.Module) -> Dict[str, Tensor]:
 def stream_into(
     model: nn.Module,
     chunks: Sequence[Chunk],
-    produce: Optional[Iterator[Tuple[Optional[str], Dict[str, Tensor]]]],
+    produce: Optional[Iterator[Tuple[Optional[str], Mapping[str, Tensor]]]],
 ) -> None:
     """Fill ``model``'s tensors chunk by chunk. Rank 0 passes ``produce``, yielding per chunk ``(error, tensors)``
     in the order of ``chunks``; the other ranks pass None. Names missing from the model are skipped (tied copies)."""
@@ -45,7 +46,7 @@ def stream_into(
             _broadcast_chunk([(name, targets[name]) for name in names], tensors)
 
 
-def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Dict[str, Tensor]) -> None:
+def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Mapping[str, Tensor]) -> None:
     import torch.distributed as dist
 
     for dtype, members in _by_dtype(targets).items():
@@ -53,7 +54,7 @@ def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Dict[str, Tensor])
         flat = torch.empty(sum(t.numel() for _, t in members), dtype=dtype, device=device)
         if full:
             offset = 0
-            for name, target in members:
+            for name, target in members:  # a lazy mapping reads each tensor here, one at a time
                 flat[offset : offset + target.numel()].copy_(full[name].reshape(-1))
                 offset += target.numel()
         dist.broadcast(flat, src=0)
@@ -87,8 +88,8 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 def produce_each(
-    chunks: Sequence[Chunk], read: Callable[[Chunk], Dict[str, Tensor]]
-) -> Iterator[Tuple[Optional[str], Dict[str, Tensor]]]:
+    chunks: Sequence[Chunk], read: Callable[[Chunk], Mapping[str, Tensor]]
+) -> Iterator[Tuple[Optional[str], Mapping[str, Tensor]]]:
     """``produce`` for a reader that can fetch any chunk on demand (a checkpoint file)."""
     for chunk in chunks:
         yield None, read(chunk)
