@@ -8,6 +8,8 @@ import torch
 
 DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "LayerNorm", "RotaryEmbedding")
 DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
+# Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32
+DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$",)
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
@@ -54,8 +56,9 @@ class MixedFSDPConfig:
     ``LlamaRMSNorm``, ``"RotaryEmbedding"`` every HF rotary embedding); a dotted name is a qualified class path matched
     exactly (``"my_pkg.layers.Router"``). Set ``[]`` to pin none."""
 
-    keep_fp32_params: List[str] = field(default_factory=list)
-    """Regular expressions searched in qualified param and buffer names (``r"\\.A_log$"``); matches stay fp32."""
+    keep_fp32_params: List[str] = field(default_factory=lambda: list(DEFAULT_KEEP_FP32_PARAMS))
+    """Regular expressions searched in qualified param and buffer names; matches stay fp32. The default keeps
+    ``A_log`` (Mamba, GatedDeltaNet) fp32; a list of your own replaces it."""
 
     honor_hf_keep_in_fp32: bool = True
     """Keep the params and buffers named by HF ``_keep_in_fp32_modules`` fp32 under every precision flag

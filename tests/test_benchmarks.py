@@ -104,3 +104,12 @@ def test_meta_memory_benchmark_measures_one_launch(tmp_path, monkeypatch) -> Non
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "| load_full_weights of the saved copy |" in completed.stdout
+
+
+def test_planner_scale_runs_on_a_public_shape(capsys) -> None:
+    from benchmarks import planner_scale
+
+    results = planner_scale.main(["--shapes", "gpt_oss_120b", "--world-sizes", "8", "--device", "cpu"])
+    assert 116e9 < results["plans"]["gpt_oss_120b"]["params"] < 118e9
+    assert results["setup_s"]["gpt_oss_120b"] > 0
+    assert "| gpt_oss_120b |" in capsys.readouterr().out

@@ -302,9 +302,10 @@ def _plan_groups(
 
 def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
     """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
-    from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES
+    from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, DEFAULT_KEEP_FP32_PARAMS
 
     defaults = {f"module:{rule}" for rule in DEFAULT_KEEP_FP32_MODULES}
+    defaults |= {f"param:{pattern}" for pattern in DEFAULT_KEEP_FP32_PARAMS}
     norms = {f"module:{rule}" for rule in DEFAULT_NORM_RULES}
     warnings = [f"keep-fp32 rule {rule!r} matched no parameter" for rule in unmatched_rules if rule not in defaults]
     if norms <= set(unmatched_rules):

@@ -1,0 +1,136 @@
+"""The dry-run planner: the dtype plan, collectives and per-rank memory of a model at a given scale, before renting
+the GPUs. The model is built on the meta device from its HF config: nothing is allocated, 70B-120B configs plan in
+seconds.
+
+    python -m lightning_mixedfsdp.plan --hf-config config.json --world-size 64 --gpu-memory 80
+    python -m lightning_mixedfsdp.plan --hf-config model_dir --world-size 512 --replicate 64 --precision bf16-mixed
+    python -m lightning_mixedfsdp.plan --recipe conf/hf_qwen3_next_tiny.yaml --world-size 8
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.sharding.memory import MemoryEstimate, estimate_memory
+from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
+
+
+def load_hf_config(source: Any) -> Any:
+    """An HF config from a ``config.json``, a directory holding one, or a mapping with ``model_type``."""
+    from transformers import AutoConfig
+
+    if isinstance(source, dict):
+        fields = dict(source)
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"{str(source)!r} is neither a config.json nor a directory holding one.")
+        fields = json.loads(path.read_text())
+    if "model_type" not in fields:
+        raise ValueError(
+            f"the HF config {source if isinstance(source, (str, Path)) else '(inline)'} has no 'model_type'; add it"
+            " (e.g. model_type: llama), so transformers knows which model to build."
+        )
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def build_on_meta(config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def dry_run(
+    model: nn.Module, config: MixedFSDPConfig, precision: str, world_size: int, replicate: int
+) -> Tuple[ShardPlan, MemoryEstimate]:
+    plan = plan_sharding(model, config, precision)
+    return plan, estimate_memory(plan, shard_ranks=world_size // replicate, data_parallel_ranks=world_size)
+
+
+def format_summary(
+    plan: ShardPlan, estimate: MemoryEstimate, world_size: int, replicate: int, gpu_memory_gb: Optional[float]
+) -> str:
+    hsdp = replicate > 1
+    collectives = plan.predicted_collectives(hsdp=hsdp)
+    lines = [
+        f"world size {world_size}: {'HSDP ' + str(replicate) + ' x ' if hsdp else 'FSDP over '}"
+        f"{world_size // replicate} shard ranks",
+        "collectives per step: " + ", ".join(f"{k} {v}" for k, v in collectives.items()),
+        "training state per rank (activations not included):",
+    ]
+    lines += [f"  {name:<13}{_gib(value)}" for name, value in estimate.rows().items()]
+    lines.append(f"  of which replicated params add {_gib(estimate.replicated)} over full sharding")
+    if gpu_memory_gb is not None:
+        left = gpu_memory_gb * 2**30 - estimate.total
+        verdict = f"fits, {_gib(left)} left for activations" if left >= 0 else f"does not fit: short by {_gib(-left)}"
+        lines.append(f"  on a {gpu_memory_gb:g} GiB GPU: {verdict}")
+    return "\n".join(lines)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f} GiB"
+
+
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mixedfsdp.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--hf-config", help="config.json, or a directory holding one (overrides the recipe's model)")
+    parser.add_argument("--world-size", type=int, required=True, help="total ranks (GPUs)")
+    parser.add_argument("--replicate", type=int, default=None, help="HSDP replicas (e.g. nodes); default 1")
+    parser.add_argument("--precision", default=None, help="bf16-true (default), bf16-mixed or 32-true")
+    parser.add_argument("--recipe", help="a recipe YAML: its strategy section and precision are used")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU, to say whether it fits")
+    return parser.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]:
+    """The HF config, strategy config, precision and replicas, from the flags and an optional recipe."""
+    config, precision, replicate, hf_source = MixedFSDPConfig(), "bf16-true", 1, args.hf_config
+    if args.recipe:
+        from lightning_mixedfsdp.recipes.schema import load_recipe
+
+        recipe = load_recipe(args.recipe)
+        config = recipe.mixed_fsdp_config()
+        precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
+        hf_source = hf_source or recipe.model.hf_source()
+    precision = args.precision or precision
+    replicate = args.replicate or replicate
+    problems = []
+    if hf_source is None:
+        problems.append("no model: pass --hf-config PATH (or a --recipe whose model names an HF config)")
+    if precision_problem(precision):
+        problems.append(f"--{precision_problem(precision)}")
+    if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
+        problems.append(f"--world-size {args.world_size} must be a positive multiple of --replicate {replicate}")
+    if problems:
+        raise SystemExit("python -m lightning_mixedfsdp.plan: " + "; ".join(problems))
+    return load_hf_config(hf_source), config, precision, replicate
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = _parse(argv)
+    hf_config, config, precision, replicate = _settings(args)
+    start = time.perf_counter()
+    model = build_on_meta(hf_config)
+    plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
+    seconds = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {params / 1e9:.2f}B params, {precision}, planned in {seconds:.1f} s on meta")
+    print(plan.report())
+    print()
+    print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
+    sys.stdout.flush()
+    return {"plan": plan, "estimate": estimate, "seconds": seconds, "params": params}

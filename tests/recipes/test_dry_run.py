@@ -1,0 +1,102 @@
+"""The dry-run planner: public 70B-120B shapes planned on the meta device, and its per-rank prediction against what a
+2-rank run of a scaled-down twin really allocates."""
+
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.hf_models import tiny_model
+from tests.scenarios import make_fabric
+
+ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = {
+    "llama3_70b": (70.0e9, 71.0e9),
+    "qwen3_next_80b_a3b": (79.0e9, 81.0e9),
+    "gpt_oss_120b": (116.0e9, 118.0e9),
+}
+TWINS = ("llama", "qwen3_next", "gpt_oss")
+
+
+@pytest.mark.parametrize("shape", PUBLIC)
+def test_public_shapes_plan_on_meta_with_fp32_norms_and_a_memory_verdict(shape: str, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = ROOT / "benchmarks" / "configs" / f"{shape}.json"
+    out = main(["--hf-config", str(config), "--world-size", "64", "--gpu-memory", "80"])
+    low, high = PUBLIC[shape]
+    assert low < out["params"] < high
+    plan, estimate = out["plan"], out["estimate"]
+    assert plan.params["model.norm.weight"].key.storage == torch.float32
+    assert plan.buffers["model.rotary_emb.inv_freq"].dtype == torch.float32
+    bulk = sum(p.nbytes for p in plan.params.values()) / 64
+    assert bulk < estimate.params < 1.05 * bulk  # sharded 64 ways, plus padding and the replicated norms
+    printed = capsys.readouterr().out
+    assert "collectives per step" in printed and "on a 80 GiB GPU: fits" in printed
+
+
+def test_a_model_that_does_not_fit_says_by_how_much(capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = ROOT / "benchmarks" / "configs" / "llama3_70b.json"
+    main(["--hf-config", str(config), "--world-size", "8", "--precision", "bf16-mixed", "--gpu-memory", "80"])
+    assert "on a 80 GiB GPU: does not fit: short by" in capsys.readouterr().out
+
+
+def test_a_config_without_model_type_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = tmp_path / "config.json"
+    config.write_text('{"hidden_size": 8}')
+    with pytest.raises(ValueError, match=r"has no 'model_type'; add it \(e.g. model_type: llama\)"):
+        main(["--hf-config", str(config), "--world-size", "8"])
+
+
+def _allocated(rank: int, world_size: int) -> Dict[str, Any]:
+    """Each twin set up on 2 ranks, one AdamW step: the bytes this rank really holds, and the planner's prediction."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp.sharding.memory import estimate_memory
+
+    def local(tensor: torch.Tensor) -> int:
+        tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return tensor.numel() * tensor.element_size()
+
+    out = {}
+    for model_type in TWINS:
+        fabric = make_fabric(world_size, "bf16-mixed", MixedFSDP2Strategy())
+        model = fabric.setup(tiny_model(model_type))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+        fabric.backward(model(input_ids=tokens, labels=tokens).loss)
+        optimizer.step()
+        params = list(model.parameters())
+        states = [t for p in params for t in optimizer.state[p].values() if torch.is_tensor(t) and t.dim() > 0]
+        predicted = estimate_memory(fabric.strategy.plan_of(model), shard_ranks=world_size, data_parallel_ranks=2)
+        out[model_type] = {
+            "real": {
+                "params": sum(local(p) for p in params),
+                "grads": sum(local(p.grad) for p in params if p.grad is not None),
+                "AdamW states": sum(local(t) for t in states),
+            },
+            "predicted": predicted.rows(),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def allocated() -> list:
+    return run_distributed(_allocated, 2, timeout=300)
+
+
+@pytest.mark.parametrize("model_type", TWINS)
+def test_the_prediction_equals_what_a_two_rank_twin_allocates_on_its_busiest_rank(
+    allocated: list, model_type: str
+) -> None:
+    predicted = allocated[0][model_type]["predicted"]
+    for name in ("params", "grads", "AdamW states"):
+        busiest = max(result[model_type]["real"][name] for result in allocated)
+        assert busiest == predicted[name], (name, busiest, predicted[name])
