@@ -6,7 +6,8 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "LayerNorm", "RotaryEmbedding")
+# suffixes: LlamaRMSNorm, T5LayerNorm, Qwen3NextRMSNormGated / MambaRMSNormGated, every HF rotary embedding
+DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "RMSNormGated", "LayerNorm", "RotaryEmbedding")
 DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
 # Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32
 DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$",)

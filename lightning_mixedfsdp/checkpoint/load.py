@@ -1,5 +1,6 @@
 """Loading weights without losing a dtype: dtype-aware casting and rank-0-only reads into sharded models."""
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -69,20 +70,23 @@ def load_full_weights(
 
     Names and shapes are agreed with every rank before any tensor moves, so no rank waits on a mismatched
     collective. Every tensor takes the dtype the plan gave the matching param or buffer (a checkpoint's fp32 tensor
-    kept fp32 by the plan stays exact). Tied copies in the checkpoint are accepted and skipped.
+    kept fp32 by the plan stays exact). Tied copies in the checkpoint are accepted and skipped. A PEFT model loads
+    its base model's checkpoint; its adapters keep their values.
     """
     import torch.distributed as dist
 
     model = unwrap_model(model)
     targets = tensor_targets(model)
-    expected = {name: tuple(targets[name].shape) for name in _persistent_names(model)}
-    aliases = _tied_aliases(model)
+    from_checkpoint = _checkpoint_names(model)
+    expected = {key: tuple(targets[name].shape) for key, name in from_checkpoint.items() if key == _own_key(name)}
     agreed: List[Any] = [None, []]
     reader = CheckpointReader(path) if dist.get_rank() == 0 else None
     if reader is not None:
-        sources = {aliases.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in aliases)}
-        found = {name: reader.shape(key) for name, key in sources.items()}
-        agreed = [_mismatches(expected, found, strict), [name for name in expected if name in found]]
+        # a tied alias loads its param only when the checkpoint lacks the param's own key
+        sources = {from_checkpoint.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in expected)}
+        found = {_own_key(name): reader.shape(key) for name, key in sources.items()}
+        present = [name for name in dict.fromkeys(from_checkpoint.values()) if name in sources]
+        agreed = [_mismatches(expected, found, strict), present]
     dist.broadcast_object_list(agreed, src=0)
     if agreed[0]:
         raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {agreed[0]}")
@@ -174,25 +178,41 @@ def _torch_state(path: Path) -> Dict[str, Tensor]:
     return state
 
 
-def _persistent_names(model: nn.Module) -> List[str]:
-    """Params (tied ones once) and persistent buffers, by canonical name: what a checkpoint holds."""
-    names = [canonical_name(n) for n, _ in model.named_parameters()]
+def _checkpoint_names(model: nn.Module) -> Dict[str, str]:
+    """Checkpoint key -> the model's canonical name, for every param (tied aliases too) and persistent buffer. A PEFT
+    model's base names are its base model's checkpoint keys; its adapters are in no base checkpoint."""
+    names = [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module._buffers.items():
             if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                names.append(canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name))
-    return list(dict.fromkeys(names))
+                names.append((canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name), buffer))
+    known: Dict[int, str] = {}
+    mapping = {}
+    for name, tensor in names:
+        own = known.setdefault(id(tensor), name)
+        key = _base_key(name) if _is_peft(model) else name
+        if key is not None:
+            mapping[key] = own
+    return mapping
 
 
-def _tied_aliases(model: nn.Module) -> Dict[str, str]:
-    """Second names of tied params (``lm_head.weight``) -> the name the param is known by."""
-    first: Dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        known = first.setdefault(id(param), canonical_name(name))
-        if known != canonical_name(name):
-            aliases[canonical_name(name)] = known
-    return aliases
+def _own_key(name: str) -> str:
+    """The checkpoint key of a model name (the inverse of the PEFT mapping for base params)."""
+    return _base_key(name) or name
+
+
+def _base_key(name: str) -> Optional[str]:
+    prefix = "base_model.model."
+    if not name.startswith(prefix):
+        return name
+    if "lora_" in name:
+        return None
+    return name[len(prefix) :].replace(".base_layer.", ".")
+
+
+def _is_peft(model: nn.Module) -> bool:
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _byte_chunks(targets: Dict[str, Tensor], names: Sequence[str], chunk_bytes: int) -> List[List[str]]:

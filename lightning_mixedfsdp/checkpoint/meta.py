@@ -51,8 +51,8 @@ def _walk(module: nn.Module, prefix: str, steps: List[InitStep]) -> None:
     if _is_hf(module):
         _walk_hf(module, prefix, module, module.is_custom_code(), steps)
         return
-    reset = getattr(module, "reset_parameters", None)
-    steps.append((prefix, module, (lambda m: m.reset_parameters()) if callable(reset) else None))
+    reset = (lambda m: m.reset_parameters()) if callable(getattr(module, "reset_parameters", None)) else None
+    steps.append((prefix, module, _adapter_init(module) or reset))
     for name, child in module.named_children():
         _walk(child, _join(prefix, name), steps)
 
@@ -63,7 +63,15 @@ def _walk_hf(module: nn.Module, prefix: str, owner: nn.Module, is_custom_code: b
     for name, child in module.named_children():
         _walk_hf(child, _join(prefix, name), child if _is_hf(child) else owner, is_custom_code, steps)
     initialize = owner._initialize_weights
-    steps.append((prefix, module, lambda m: initialize(m, is_custom_code)))
+    steps.append((prefix, module, _adapter_init(module) or (lambda m: initialize(m, is_custom_code))))
+
+
+def _adapter_init(module: nn.Module) -> Init:
+    """peft's own init for a LoRA layer (A as nn.Linear's default, B zero), after its children got theirs: an
+    untrained adapter leaves the base model's output unchanged."""
+    if not callable(getattr(module, "reset_lora_parameters", None)):
+        return None
+    return lambda layer: [layer.reset_lora_parameters(adapter, True) for adapter in layer.lora_A]
 
 
 def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:

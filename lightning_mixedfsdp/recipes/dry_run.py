@@ -8,39 +8,17 @@ seconds.
 """
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.recipes.inputs import load_hf_config
 from lightning_mixedfsdp.sharding.memory import MemoryEstimate, estimate_memory
 from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
-
-
-def load_hf_config(source: Any) -> Any:
-    """An HF config from a ``config.json``, a directory holding one, or a mapping with ``model_type``."""
-    from transformers import AutoConfig
-
-    if isinstance(source, dict):
-        fields = dict(source)
-    else:
-        path = Path(source)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise FileNotFoundError(f"{str(source)!r} is neither a config.json nor a directory holding one.")
-        fields = json.loads(path.read_text())
-    if "model_type" not in fields:
-        raise ValueError(
-            f"the HF config {source if isinstance(source, (str, Path)) else '(inline)'} has no 'model_type'; add it"
-            " (e.g. model_type: llama), so transformers knows which model to build."
-        )
-    model_type = fields.pop("model_type")
-    return AutoConfig.for_model(model_type, **fields)
 
 
 def build_on_meta(config: Any) -> nn.Module:

@@ -1,4 +1,5 @@
-"""The LightningModule of the main job: a causal LM with held-out perplexity from torchmetrics."""
+"""The LightningModule of the recipes: a causal LM (the reference model, or an HF model from config or a pretrained
+directory, optionally with LoRA adapters) with held-out perplexity from torchmetrics."""
 
 import math
 from typing import Any, Dict, List, Optional
@@ -6,9 +7,11 @@ from typing import Any, Dict, List, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from torchmetrics.text import Perplexity
 
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
@@ -19,31 +22,67 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
+def build_hf_model(model: ModelSection, peft: PeftSection) -> nn.Module:
+    """The HF model on the meta device (the strategy initialises or loads it shard by shard), LoRA-wrapped if asked."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mixedfsdp.recipes.inputs import load_hf_config
+
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(load_hf_config(model.hf_source()))
+        if peft.enabled:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=list(peft.target_modules)
+            )
+            built = get_peft_model(built, lora)
+    return built
+
+
 class CausalLM(pl.LightningModule):
     def __init__(
         self,
-        model: TinyLlamaConfig,
+        model: ModelSection,
         lr: float,
         weight_decay: float,
         betas: List[float],
         warmup_steps: int,
         max_steps: int,
+        peft: Optional[PeftSection] = None,
     ) -> None:
         super().__init__()
-        self.model = TinyLlama(model)
+        self.model_section, self.peft = model, peft or PeftSection()
+        # the reference model is built here; an HF model in configure_model, on the meta device
+        self.model: Optional[nn.Module] = TinyLlama(model) if model.hf_source() is None else None
         self.optim = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas)}
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
         self.held_out_perplexity = Perplexity()
         self.perplexities: Dict[str, float] = {}
 
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_hf_model(self.model_section, self.peft)
+
+    def on_fit_start(self) -> None:
+        # a resumed run restores its own weights; only a fresh run starts from the pretrained directory
+        if self.model_section.pretrained is not None and self.trainer.ckpt_path is None:
+            from lightning_mixedfsdp.checkpoint.load import load_full_weights
+
+            load_full_weights(self.model, self.model_section.pretrained)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model, TinyLlama):
+            return self.model(tokens)
+        return self.model(input_ids=tokens).logits
+
     def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
-        loss = causal_lm_loss(self.model(tokens), tokens)
+        loss = causal_lm_loss(self.logits(tokens), tokens)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, tokens: torch.Tensor, _: int) -> None:
-        logits = self.model(tokens)
-        self.held_out_perplexity.update(logits[:, :-1].float(), tokens[:, 1:])
+        self.held_out_perplexity.update(self.logits(tokens)[:, :-1].float(), tokens[:, 1:])
 
     def on_validation_epoch_end(self) -> None:
         perplexity = self.held_out_perplexity.compute()
@@ -55,7 +94,8 @@ class CausalLM(pl.LightningModule):
             self.log("val_ppl", perplexity, prog_bar=True, sync_dist=True)  # equal on all ranks already
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), **self.optim)
+        trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = torch.optim.AdamW(trainable, **self.optim)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps)
         )

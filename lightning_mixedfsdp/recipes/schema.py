@@ -25,15 +25,23 @@ class TrainerSection:
     devices: int = 2
     """Processes per node; the runner launches them itself."""
     num_nodes: int = 1
+    """Nodes; launch the same command on each (torchrun, SLURM)."""
     precision: str = "bf16-true"
     """``bf16-true``, ``bf16-mixed`` or ``32-true``; keep-fp32 params stay fp32 in every case."""
     max_steps: int = 250
+    """Optimizer steps to train for."""
     accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step; gradients are reduced once per step."""
     gradient_clip_val: float = 1.0
+    """Global gradient-norm clip; 0 turns clipping off."""
     val_check_interval: int = 125
     """Training batches between held-out evaluations."""
+    checkpoint_every_n_steps: int = 0
+    """Also save a checkpoint every N optimizer steps (``--resume`` continues from one); 0: only ``last.ckpt``."""
     log_every_n_steps: int = 10
+    """Steps between logged training losses (CSV under ``output.dir/logs``)."""
     seed: int = 1234
+    """Seeds the model's init and the data order."""
 
 
 @dataclass
@@ -47,42 +55,82 @@ class StrategySection(MixedFSDPConfig):
     data_parallel_replicate_size: int = 1
     """HSDP replicas (e.g. the number of nodes)."""
     save_distributed_checkpoint: bool = True
+    """Checkpoints as torch DCP folders (each rank writes its shards); ``False``: one file gathered on rank 0."""
 
 
 @dataclass
 class ModelSection(TinyLlamaConfig):
-    """The reference byte-level Llama (``TinyLlamaConfig``) with the main job's sizes."""
+    """The reference byte-level Llama (``TinyLlamaConfig``) with the main job's sizes, unless ``hf_config`` or
+    ``pretrained`` names a Hugging Face model."""
 
     dim: int = 128
     n_layers: int = 4
     hidden_dim: int = 384
     mixer_layers: List[int] = field(default_factory=lambda: [1])
+    hf_config: Optional[Any] = None
+    """An HF model built from config: a local ``config.json``, a directory holding one, or inline fields with
+    ``model_type``. Built on the meta device and initialised by HF's own init, one wrap unit at a time."""
+    pretrained: Optional[str] = None
+    """A local HF model directory (``config.json`` and safetensors, one file or sharded with an index) to fine-tune.
+    Rank 0 streams the weights into the shards; the tensors a mixed-dtype checkpoint holds in fp32 stay exact."""
+
+    def hf_source(self) -> Optional[Any]:
+        """The HF config source: ``hf_config``, or the ``pretrained`` directory's config; None for the reference
+        model."""
+        return self.hf_config if self.hf_config is not None else self.pretrained
 
 
 @dataclass
 class DataSection:
+    files: List[str] = field(default_factory=list)
+    """Paths or globs of ``.txt`` files (one document each) or ``.jsonl`` files (one document per line); empty:
+    the Python standard library's own source files."""
+    text_field: str = "text"
+    """The field of each jsonl line that holds its text."""
+    tokenizer: str = "bytes"
+    """``bytes`` (vocabulary 256), or a local HF tokenizer directory."""
     seq_len: int = 128
+    """Tokens per training window; text is packed into windows of this length."""
     batch_size: int = 8
-    """Per device."""
+    """Windows per device per micro-batch."""
     held_out_every: int = 10
-    """Every n-th stdlib file (sorted) is held out for evaluation."""
+    """Every n-th document is held out for evaluation (never trained on)."""
     max_bytes: int = 4_000_000
-    """Cap on the training (and held-out) corpus size."""
+    """Cap on the text read for training (and again for the held-out split)."""
     val_windows: int = 64
+    """Held-out windows evaluated for the perplexity."""
+
+
+@dataclass
+class PeftSection:
+    enabled: bool = False
+    """Train LoRA adapters (peft) on a frozen base instead of the whole model; HF models only."""
+    r: int = 8
+    """LoRA rank."""
+    alpha: int = 16
+    """LoRA scaling numerator (``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names that get adapters."""
 
 
 @dataclass
 class OptimizerSection:
     lr: float = 3e-3
+    """Peak learning rate of AdamW."""
     weight_decay: float = 0.01
+    """AdamW weight decay."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
     warmup_steps: int = 20
+    """Linear warm-up steps, then cosine decay to 10%."""
 
 
 @dataclass
 class OutputSection:
     dir: str = "runs/stdlib_llama"
-    """Checkpoints, logs and the safetensors export go here."""
+    """Checkpoints, logs, the safetensors export (``export/``) and LoRA adapters (``adapter/``) go here."""
     export_dtype: str = "bf16"
     """Save dtype of the export; keep-fp32 params are exported in fp32."""
 
@@ -93,17 +141,24 @@ class Recipe:
     strategy: StrategySection = field(default_factory=StrategySection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
+    peft: PeftSection = field(default_factory=PeftSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     output: OutputSection = field(default_factory=OutputSection)
 
+    def mixed_fsdp_config(self) -> MixedFSDPConfig:
+        return MixedFSDPConfig(**{f.name: getattr(self.strategy, f.name) for f in fields(MixedFSDPConfig)})
+
     def strategy_kwargs(self) -> Dict[str, Any]:
-        config = {f.name: getattr(self.strategy, f.name) for f in fields(MixedFSDPConfig)}
         return {
-            "config": MixedFSDPConfig(**config),
+            "config": self.mixed_fsdp_config(),
             "data_parallel_size": self.strategy.data_parallel_size or "auto",
             "data_parallel_replicate_size": self.strategy.data_parallel_replicate_size,
             "save_distributed_checkpoint": self.strategy.save_distributed_checkpoint,
         }
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.devices * self.trainer.num_nodes
 
 
 def load_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Recipe:
@@ -136,6 +191,10 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Recipe:
     merged = OmegaConf.merge(schema, *(_nested(dotted, value) for dotted, value in leaves))
     recipe: Recipe = OmegaConf.to_object(merged)
     problems += validate_recipe(recipe)
+    if not problems:  # the files a recipe points at, once its fields are right
+        from lightning_mixedfsdp.recipes.inputs import input_problems
+
+        problems += input_problems(recipe)
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise RecipeError(f"Recipe has {len(problems)} problem(s):\n{listed}")
@@ -161,6 +220,10 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         problems.append(f"model.mixer_layers={bad_layers} outside 0..{recipe.model.n_layers - 1}; fix the indices")
     if recipe.data.seq_len < 2 or recipe.data.batch_size < 1:
         problems.append("data.seq_len must be >= 2 and data.batch_size >= 1")
+    if recipe.trainer.checkpoint_every_n_steps < 0:
+        problems.append(f"trainer.checkpoint_every_n_steps={recipe.trainer.checkpoint_every_n_steps} must be >= 0")
+    if recipe.peft.enabled and (recipe.peft.r < 1 or not recipe.peft.target_modules):
+        problems.append("peft.r must be >= 1 and peft.target_modules name at least one module when peft.enabled")
     if recipe.output.export_dtype not in ("bf16", "fp32"):
         problems.append(f"output.export_dtype={recipe.output.export_dtype!r}: use 'bf16' or 'fp32'")
     return problems

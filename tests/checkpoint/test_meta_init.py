@@ -99,8 +99,18 @@ def _uninitialisable(rank: int) -> str:
     return "no error"
 
 
+def _lora_on_meta(rank: int) -> Dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    fabric = make_fabric(WORLD, "bf16-mixed")
+    model = get_peft_model(_build_on_meta(fabric, "llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(SEED)
+    return {"values": _tensors(fabric.setup(model))}
+
+
 def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {
+        "lora": _lora_on_meta(rank),
         "llama": _meta_init(rank, "llama"),
         "llama_tied": _meta_init(rank, "llama", tie_word_embeddings=True),
         "qwen3_next": _meta_init(rank, "qwen3_next"),
@@ -190,3 +200,23 @@ def test_a_module_no_init_covers_raises_on_every_rank_with_the_fix(results: list
         message = result["error"]
         assert "1 tensor(s) were left uninitialised" in message and "1.scale (_NoInit)" in message
         assert "Give each class a `reset_parameters()` method" in message
+
+
+def test_lora_adapters_on_meta_get_peft_init_so_the_untrained_adapter_changes_nothing(results: list) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(tiny_config("llama"))
+        reference = get_peft_model(reference, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(SEED)
+    expected = dict(init_meta_module_(reference).named_parameters())
+    for result in results:
+        values = result["lora"]["values"]
+        lora_b = [n for n in values if "lora_B" in n]
+        assert lora_b and all(torch.all(values[n] == 0) for n in lora_b)
+        assert all(values[n].abs().sum() > 0 for n in values if "lora_A" in n)
+        for name in (n for n in expected if "lora_" in n):
+            assert torch.equal(values[name], expected[name].detach()), name

@@ -1,0 +1,161 @@
+"""What a recipe points at: the HF model config or pretrained directory, the data files, the tokenizer. Resolved and
+checked in the launching process, before any training process starts; every problem comes with its fix."""
+
+import glob
+import json
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple
+
+from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+def load_hf_config(source: Any) -> Any:
+    """An HF config from a ``config.json``, a directory holding one, or a mapping with ``model_type``."""
+    from transformers import AutoConfig
+
+    fields = hf_config_fields(source)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def hf_config_fields(source: Any) -> dict:
+    """The raw fields of an HF config source, checked for a ``model_type``."""
+    if isinstance(source, dict):
+        fields = dict(source)
+        where = "the inline model.hf_config"
+    else:
+        path = Path(source)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{str(source)!r} is neither a config.json nor a directory holding one; check the path."
+            )
+        fields = json.loads(path.read_text())
+        where = str(path)
+    if "model_type" not in fields:
+        raise ValueError(
+            f"{where} has no 'model_type'; add it (e.g. model_type: llama), so transformers knows which model to build."
+        )
+    return fields
+
+
+def data_files(data: DataSection) -> Tuple[List[Path], List[str]]:
+    """The files ``data.files`` names (globs expanded, sorted), and the problems with them."""
+    files: List[Path] = []
+    problems = []
+    for pattern in data.files:
+        matched = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
+        if not matched:
+            problems.append(f"data.files: {pattern!r} matches no file; fix the path or the glob")
+        for path in matched:
+            if path.suffix not in TEXT_SUFFIXES:
+                problems.append(f"data.files: {str(path)!r} is neither .txt nor .jsonl; convert it or leave it out")
+            else:
+                files.append(path)
+    return files, problems
+
+
+def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
+    """Each jsonl line must be an object holding ``text_field`` as a string (the first bad line per file)."""
+    problems = []
+    for path in files:
+        if path.suffix != ".jsonl":
+            continue
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    problems.append(f"data.files: {path}:{number} is not JSON ({error.msg}); fix the line")
+                    break
+                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    problems.append(
+                        f"data.files: {path}:{number} has no text field {text_field!r} (it has {keys}); set"
+                        " data.text_field to the field that holds the text"
+                    )
+                    break
+    return problems
+
+
+def model_vocab_size(model: ModelSection) -> Optional[int]:
+    """The model's embedding size, read from its config without building it."""
+    source = model.hf_source()
+    if source is None:
+        return model.vocab_size
+    fields = hf_config_fields(source)
+    vocab = fields.get("vocab_size", fields.get("text_config", {}).get("vocab_size"))
+    return int(vocab) if vocab is not None else None
+
+
+def tokenizer_vocab_size(spec: str) -> int:
+    if spec == "bytes":
+        return 256
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(spec))
+
+
+def input_problems(recipe: Recipe) -> List[str]:
+    """Every problem with what the recipe points at, each with its fix."""
+    model, data = recipe.model, recipe.data
+    problems = []
+    if model.hf_config is not None and model.pretrained is not None:
+        problems.append(
+            "model.hf_config and model.pretrained are both set; keep hf_config to train from scratch, or pretrained"
+            " to fine-tune a checkpoint (its config.json comes with it)"
+        )
+    if model.pretrained is not None and not (Path(model.pretrained) / "config.json").is_file():
+        problems.append(
+            f"model.pretrained={model.pretrained!r} is not a directory holding a config.json; point it at a"
+            " save_pretrained() directory"
+        )
+    vocab = None
+    if not any("model." in p for p in problems):
+        try:
+            vocab = model_vocab_size(model)
+        except (FileNotFoundError, ValueError) as error:
+            problems.append(f"model.hf_config: {error}")
+    if recipe.peft.enabled and model.hf_source() is None:
+        problems.append("peft.enabled needs a Hugging Face model; set model.hf_config or model.pretrained")
+    files, file_problems = data_files(data)
+    problems += file_problems + jsonl_problems(files, data.text_field)
+    if data.tokenizer != "bytes" and not Path(data.tokenizer).is_dir():
+        problems.append(
+            f"data.tokenizer={data.tokenizer!r} is neither 'bytes' nor a directory; point it at a local HF tokenizer"
+            " (tokenizer.save_pretrained(dir))"
+        )
+    elif vocab is not None:
+        tokens = tokenizer_vocab_size(data.tokenizer)
+        if tokens > vocab:
+            problems.append(
+                f"data.tokenizer={data.tokenizer!r} has {tokens} tokens, more than the model's embedding ({vocab});"
+                " use a model with vocab_size >= the tokenizer's, or another tokenizer"
+            )
+    return problems
+
+
+def checkpoint_fp32_patterns(directory: str) -> List[str]:
+    """Keep-fp32 rules for the tensors a mixed-dtype checkpoint holds in fp32 (promote(checkpoint dtype, requested
+    dtype) for them), read from the safetensors headers; repeated blocks collapse into one rule. A checkpoint stored
+    all in fp32 gets none: the precision flag decides its bulk."""
+    import re
+
+    from safetensors import safe_open
+
+    from lightning_mixedfsdp.checkpoint.load import _safetensors_files
+
+    dtypes = {}
+    for file in _safetensors_files(Path(directory)):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            dtypes.update({name: handle.get_slice(name).get_dtype() for name in handle.keys()})
+    floating = {name: dtype for name, dtype in dtypes.items() if dtype in ("F32", "F16", "BF16", "F64")}
+    if set(floating.values()) <= {"F32", "F64"}:
+        return []
+    fp32 = [name for name, dtype in floating.items() if dtype in ("F32", "F64")]
+    collapsed = {"^" + re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name)) + "$" for name in fp32}
+    return sorted(collapsed)

@@ -1,0 +1,213 @@
+"""Recipes that train Hugging Face models, through the runner as a user launches it: every shipped recipe for a few
+steps, fine-tuning a local save_pretrained() directory with jsonl data and a locally built tokenizer, exact resume,
+and one test per input error, each reported before any process starts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_mixedfsdp.recipes.schema import RecipeError, load_recipe
+from tests.hf_models import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = (Path(json.__file__).read_text(encoding="utf-8") * 3).split("\n\n")
+FP32_IN_CHECKPOINT = (
+    "model.layers.0.mlp.gate_proj.weight",
+    "model.norm.weight",
+    "model.layers.1.input_layernorm.weight",
+)
+TINY = ["trainer.val_check_interval=3", "data.val_windows=4", "data.max_bytes=200000", "trainer.log_every_n_steps=1"]
+
+
+def train(*args: str, cwd: Path = ROOT) -> str:
+    command = [sys.executable, "-m", "lightning_mixedfsdp.train", *args]
+    completed = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=420)
+    out = completed.stdout + completed.stderr
+    assert completed.returncode == 0, out[-5000:]
+    return out
+
+
+def dcp_state(checkpoint: Path, tmp: Path) -> Dict[str, torch.Tensor]:
+    """The model weights of a Trainer DCP checkpoint, by HF name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(tmp / "checkpoint.pt"))
+    state = torch.load(tmp / "checkpoint.pt", weights_only=False)["state_dict"]
+    return {name[len("model.") :]: value for name, value in state.items()}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A BPE tokenizer trained and saved here: no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    tokenizer.train_from_iterator(TEXT, trainer)
+    directory = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>").save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An HF Llama as a user has it: bf16 weights, some tensors deliberately fp32, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(11)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=320)).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in FP32_IN_CHECKPOINT:
+                param.data = param.data.float() + torch.randn_like(param.data.float()) * 1e-3  # not bf16-exact
+    directory = tmp_path_factory.mktemp("pretrained")
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def jsonl_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("jsonl")
+    for part in range(2):
+        lines = [json.dumps({"content": text, "id": i}) for i, text in enumerate(TEXT[part::2]) if text.strip()]
+        (folder / f"part{part}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finetuned(pretrained_dir: Path, jsonl_files: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """conf/finetune_local_dir.yaml on the local directory, jsonl data and its tokenizer; lr 0, so the export must
+    equal what was loaded."""
+    output = tmp_path_factory.mktemp("finetune")
+    out = train(
+        "--config", "conf/finetune_local_dir.yaml", *TINY, "trainer.max_steps=3", "optimizer.lr=0",
+        f"model.pretrained={pretrained_dir}", f"data.tokenizer={pretrained_dir}", "data.text_field=content",
+        f"data.files=[{jsonl_files}/*.jsonl]", "data.seq_len=32", "data.batch_size=2", f"output.dir={output}",
+    )  # fmt: skip
+    return {"out": out, "output": output}
+
+
+def test_finetuning_a_local_directory_loads_its_fp32_tensors_exactly(
+    finetuned: Dict[str, Any], pretrained_dir: Path
+) -> None:
+    checkpoint = load_file(str(pretrained_dir / "model.safetensors"))
+    exported = load_file(str(finetuned["output"] / "export" / "model.safetensors"))
+    for name in FP32_IN_CHECKPOINT:
+        assert checkpoint[name].dtype == exported[name].dtype == torch.float32, name
+        assert torch.equal(exported[name], checkpoint[name]), name
+    for name, tensor in checkpoint.items():
+        assert torch.equal(exported[name].to(tensor.dtype), tensor), name  # bf16 ones too (lr 0: nothing moved)
+    assert (
+        "keep-fp32 rule" in finetuned["out"]
+        and r"param:^model\.layers\.\d+\.mlp\.gate_proj\.weight$" in (finetuned["out"])
+    )
+
+
+def test_jsonl_data_with_a_local_hf_tokenizer_trains_and_the_export_carries_the_tokenizer(
+    finetuned: Dict[str, Any],
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = finetuned["output"] / "export"
+    assert "held-out perplexity" in finetuned["out"]
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    assert len(tokenizer) == 300 and tokenizer.eos_token == "</s>"
+    trained = dcp_state(finetuned["output"] / "checkpoints" / "last.ckpt", finetuned["output"])
+    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value.float()), name
+
+
+@pytest.mark.parametrize("recipe", ["hf_qwen3_next_tiny", "hf_gpt_oss_lora"])
+def test_shipped_hf_recipe_trains_and_exports_what_it_trained(recipe: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = train("--config", f"conf/{recipe}.yaml", *TINY, "trainer.max_steps=3", f"output.dir={tmp_path}")
+    assert "held-out perplexity" in out and "mixed_fsdp2 dtype plan" in out
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert exported["model.norm.weight"].dtype == torch.float32
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).state_dict()
+    if recipe == "hf_qwen3_next_tiny":
+        assert exported["model.layers.0.linear_attn.A_log"].dtype == torch.float32
+        for name, value in dcp_state(tmp_path / "checkpoints" / "last.ckpt", tmp_path).items():
+            assert torch.equal(loaded[name], value.float()), name
+    else:
+        from peft import PeftModel
+        from transformers import AutoConfig
+
+        trained = dcp_state(tmp_path / "checkpoints" / "last.ckpt", tmp_path)
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "export"))
+        adapters = {n: p for n, p in PeftModel.from_pretrained(base, tmp_path / "adapter").named_parameters()}
+        lora = [n for n in trained if "lora_" in n]
+        assert lora and all(torch.equal(adapters[n], trained[n]) for n in lora)
+
+
+def _losses(output: Path) -> List[float]:
+    rows = (output / "logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    column = header.index("train_loss")
+    return [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
+
+
+def test_resuming_a_mid_run_checkpoint_through_the_runner_repeats_the_uninterrupted_losses(tmp_path: Path) -> None:
+    tiny = [
+        "--config", "conf/stdlib_llama.yaml", *TINY, "trainer.max_steps=6", "trainer.val_check_interval=6",
+        "trainer.checkpoint_every_n_steps=3", "model.dim=32", "model.hidden_dim=64", "model.n_layers=2",
+        "data.seq_len=64", "data.max_bytes=100000",
+    ]  # fmt: skip
+    train(*tiny, f"output.dir={tmp_path / 'whole'}")
+    middle = tmp_path / "whole" / "checkpoints" / "epoch=0-step=3.ckpt"
+    train(*tiny, f"output.dir={tmp_path / 'resumed'}", "--resume", str(middle))
+    whole, resumed = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
+    assert len(whole) == 6 and len(resumed) == 3
+    assert resumed == whole[3:]
+
+
+def test_dry_run_prints_the_plan_and_the_memory_per_rank_and_trains_nothing(capsys: Any, tmp_path: Path) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    main(["--config", "conf/hf_qwen3_next_tiny.yaml", "--dry-run", f"output.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "mixed_fsdp2 dtype plan" in out and "training state per rank" in out and "world size 2" in out
+    assert not any(tmp_path.iterdir())
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_a_missing_pretrained_directory_is_refused_before_launch(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match=r"model.pretrained='.*nowhere' is not a directory holding a config.json"):
+        load_recipe(None, [f"model.pretrained={tmp_path / 'nowhere'}"])
+
+
+def test_an_hf_config_without_model_type_is_refused_with_the_fix(tmp_path: Path) -> None:
+    config = _write(tmp_path / "config.json", '{"hidden_size": 32}')
+    with pytest.raises(RecipeError, match=r"config.json has no 'model_type'; add it \(e.g. model_type: llama\)"):
+        load_recipe(None, [f"model.hf_config={config}"])
+
+
+def test_a_jsonl_line_without_the_text_field_is_refused_naming_file_and_line(tmp_path: Path) -> None:
+    data = _write(tmp_path / "d.jsonl", '{"text": "fine"}\n{"body": "no text here"}\n')
+    with pytest.raises(RecipeError, match=r"d.jsonl:2 has no text field 'text' \(it has \['body'\]\); set data.text"):
+        load_recipe(None, [f"data.files=[{data}]"])
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(tokenizer_dir: Path) -> None:
+    with pytest.raises(RecipeError, match=r"has 300 tokens, more than the model's embedding \(256\); use a model"):
+        load_recipe(None, [f"data.tokenizer={tokenizer_dir}"])
+
+
+def test_hf_config_and_pretrained_together_are_refused(pretrained_dir: Path) -> None:
+    with pytest.raises(RecipeError, match=r"model.hf_config and model.pretrained are both set; keep hf_config"):
+        load_recipe(None, [f"model.hf_config={pretrained_dir}", f"model.pretrained={pretrained_dir}"])
