@@ -108,6 +108,21 @@ def make_fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") 
     return fabric
 
 
+def train_hf_steps(fabric: Any, model: nn.Module, optimizer: Any, steps: int, batches: int = 0) -> List[float]:
+    """HF causal-LM steps on this rank's slice of the test batches (cycling through ``batches`` of them when set);
+    the per-step local losses."""
+    world, rank = fabric.world_size, fabric.global_rank
+    losses = []
+    for step in range(steps):
+        tokens = rank_slice(global_batch(world, step % batches if batches else step), rank, world)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 

@@ -18,6 +18,7 @@ from tests.scenarios import (
     global_batch,
     make_fabric,
     rank_slice,
+    train_hf_steps,
     unwrap,
 )
 
@@ -98,14 +99,7 @@ def _hf_gpt_oss(world_size: int, export_dir: str) -> Dict[str, Any]:
     torch.manual_seed(0)
     model = fabric.setup(GptOssForCausalLM(tiny_gpt_oss_config()))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    losses = []
-    for step in range(6):
-        tokens = rank_slice(global_batch(world_size, step % 2), fabric.global_rank, world_size)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_hf_steps(fabric, model, optimizer, steps=6, batches=2)
     plan = fabric.strategy.plan_of(model)
     fabric.strategy.export_safetensors(model, export_dir, dtype=torch.bfloat16)
     return {

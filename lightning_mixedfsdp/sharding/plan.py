@@ -150,7 +150,11 @@ def plan_sharding(
     """Every param's and buffer's dtype and every param's FSDP group for ``model``, under a Lightning precision flag
     (or bulk dtypes already resolved by :meth:`MixedFSDPConfig.bulk_dtypes`)."""
     config.validate()
-    bulk = config.bulk_dtypes(precision) if isinstance(precision, str) else precision
+    return plan_validated(model, config, config.bulk_dtypes(precision) if isinstance(precision, str) else precision)
+
+
+def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes) -> ShardPlan:
+    """:func:`plan_sharding` for a config validated already (the strategies validate theirs once, at construction)."""
     return plan_model(
         model,
         bulk,

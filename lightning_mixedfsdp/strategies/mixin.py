@@ -21,10 +21,9 @@ from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, precision_pr
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
-from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.sharding.names import unwrap_model, user_class_name
-from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_model
+from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_validated
 
 STRATEGY_NAME = "mixed_fsdp2"
 
@@ -121,15 +120,7 @@ class ShardedModules:
                 " fresh model to set up."
             )
         on_meta = has_meta_tensors(module)
-        plan = plan_model(
-            module,
-            bulk,
-            KeepFp32Rules.of(config),
-            wrap_units=config.wrap_units,
-            replicate_below_bytes=config.replicate_below_bytes,
-            pin_frozen_modules=config.pin_frozen_modules,
-            cast_buffers=config.cast_buffers,
-        )
+        plan = plan_validated(module, config, bulk)
         for warning in plan.warnings:
             rank_zero_warn(f"{STRATEGY_NAME}: {warning}")
         if config.print_report:

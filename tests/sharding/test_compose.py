@@ -21,6 +21,7 @@ from tests.scenarios import (
     make_fabric,
     rank_slice,
     reference_model,
+    train_hf_steps,
     unwrap,
 )
 
@@ -132,14 +133,7 @@ def _hf_gradient_checkpointing(rank: int, enabled: bool) -> Dict[str, Any]:
     fabric = make_fabric(WORLD, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=[r"A_log$"]))
     model = fabric.setup(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-    losses = []
-    for step in range(STEPS):
-        tokens = rank_slice(global_batch(WORLD, step), rank, WORLD)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_hf_steps(fabric, model, optimizer, STEPS)
     plan = fabric.strategy.plan_of(model)
     return {"losses": losses, "after": full_params(model), "replicated": plan.replicated_params}
 
@@ -175,14 +169,7 @@ def _tied_embeddings(rank: int, folder: Path) -> Dict[str, Any]:
     inner = unwrap(model)
     tied_after_setup = inner.lm_head.weight is inner.model.embed_tokens.weight
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
-    losses = []
-    for step in range(STEPS):
-        tokens = rank_slice(global_batch(WORLD, step), rank, WORLD)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_hf_steps(fabric, model, optimizer, STEPS)
     tied_after_training = inner.lm_head.weight is inner.model.embed_tokens.weight
     saved = full_params(model)
     fabric.save(folder, {"model": model, "optimizer": optimizer})
