@@ -20,7 +20,6 @@ from lightning_mixedfsdp.strategies.mixin import (
     MixedFSDP2Mixin,
     ParallelizeFn,
     ShardedModules,
-    adopt_precision,
     no_parallelize,
 )
 
@@ -68,17 +67,14 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision(self) -> MixedFSDPPrecision:
-        return self._precision if self._precision is not None else self._default_precision(MixedFSDPPrecision)
+        return self._plugin_or_default(self._precision, MixedFSDPPrecision)
 
     @precision.setter
     @override
     def precision(self, precision: Optional[Precision]) -> None:
         # the connector hands us Lightning's plugin for a precision flag; Lightning's bf16-true would cast the
         # keep-fp32 params to bf16 before sharding, so translate it
-        translatable = (Precision, HalfPrecision, MixedPrecision)
-        self._precision = adopt_precision(
-            precision, self._config, type(self).__name__, MixedFSDPPrecision, translatable
-        )
+        self._precision = self._adopted(precision, MixedFSDPPrecision, (Precision, HalfPrecision, MixedPrecision))
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

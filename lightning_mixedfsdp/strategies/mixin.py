@@ -210,9 +210,14 @@ class MixedFSDP2Mixin:
                 STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
             )
 
-    def _default_precision(self, plugin_class: Type[MixedFSDPPrecision]) -> MixedFSDPPrecision:
-        """Lightning's default flag, ``"32-true"``, before the connector hands over a plugin."""
-        return plugin_class("32-true", self._config.bulk_dtypes("32-true"))
+    def _plugin_or_default(self, plugin: Optional[Precision], plugin_class: Type[MixedFSDPPrecision]) -> Any:
+        """The adopted plugin; Lightning's default flag, ``"32-true"``, before the connector hands one over."""
+        return plugin if plugin is not None else plugin_class("32-true", self._config.bulk_dtypes("32-true"))
+
+    def _adopted(
+        self, plugin: Optional[Precision], plugin_class: Type[MixedFSDPPrecision], translatable: Tuple[type, ...]
+    ) -> Optional[Precision]:
+        return adopt_precision(plugin, self._config, type(self).__name__, plugin_class, translatable)
 
     @property
     def config(self) -> MixedFSDPConfig:

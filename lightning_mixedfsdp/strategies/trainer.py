@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_mixedfsdp.checkpoint.atomic import remove_path
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, adopt_precision, no_parallelize
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, no_parallelize
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
@@ -64,17 +64,13 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> MixedFSDPTrainerPrecision:
-        if self._precision_plugin is None:
-            return self._default_precision(MixedFSDPTrainerPrecision)
-        return self._precision_plugin
+        return self._plugin_or_default(self._precision_plugin, MixedFSDPTrainerPrecision)
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         translatable = (Precision, HalfPrecision, MixedPrecision)
-        self._precision_plugin = adopt_precision(
-            precision_plugin, self._config, type(self).__name__, MixedFSDPTrainerPrecision, translatable
-        )
+        self._precision_plugin = self._adopted(precision_plugin, MixedFSDPTrainerPrecision, translatable)
 
     @override
     def setup_environment(self) -> None:
