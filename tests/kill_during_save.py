@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.distributed import accelerator_for  # noqa: E402
 from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_batch  # noqa: E402
 
 
@@ -24,7 +25,7 @@ def main() -> None:
     from lightning_mixedfsdp.recipes.models import causal_lm_loss
 
     strategy = MixedFSDP2Strategy(keep_fp32_params=A_LOG, save_distributed_checkpoint=mode == "sharded")
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true")
+    fabric = Fabric(accelerator=accelerator_for(1), devices=1, strategy=strategy, precision="bf16-true")
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup(BufferedLlama(MIXER))

@@ -98,12 +98,25 @@ MIXER = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim
 A_LOG = [r"A_log$"]
 
 
-def make_fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> Any:
+def make_fabric(world_size: int, precision: str = "32-true", strategy: Any = "mixed_fsdp2", **kwargs: Any) -> Any:
+    """A launched Fabric on the test accelerator (``tests.distributed.accelerator_for``). The tests build their
+    batches on the CPU; on another device every set-up module moves its tensor inputs there."""
     from lightning.fabric import Fabric
 
     import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
+    from tests.distributed import accelerator_for
 
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
+    class TestFabric(Fabric):
+        def setup(self, module: nn.Module, *optimizers: Any, **setup_kwargs: Any) -> Any:
+            wrapped = super().setup(module, *optimizers, **setup_kwargs)
+            model = wrapped[0] if optimizers else wrapped
+            if self.device.type != "cpu":
+                model.register_forward_pre_hook(lambda _m, args, kw: self.to_device((args, kw)), with_kwargs=True)
+            return wrapped
+
+    fabric = TestFabric(
+        accelerator=accelerator_for(world_size), devices=world_size, strategy=strategy, precision=precision, **kwargs
+    )
     fabric.launch()
     return fabric
 

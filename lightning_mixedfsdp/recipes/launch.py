@@ -68,6 +68,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
     )
     import torch
     import torch.distributed as dist
+    from lightning_utilities.core.apply_func import apply_to_collection
 
     torch.set_num_threads(1)
     try:
@@ -75,8 +76,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, qu
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-        # plain bytes: a tensor sent through shared memory needs its sender alive until it is received
-        queue.put((rank, "ok", pickle.dumps(result)))
+        # plain bytes of CPU tensors: a tensor sent through shared memory needs its sender alive until it is
+        # received, and the parent compares results with CPU references whatever device the ranks used
+        queue.put((rank, "ok", pickle.dumps(apply_to_collection(result, torch.Tensor, lambda t: t.detach().cpu()))))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     # a deterministic exit: no interpreter teardown racing gloo threads

@@ -144,8 +144,9 @@ def _init_weights(module: nn.Module) -> None:
 
 
 def causal_lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Next-token cross entropy in fp32."""
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    """Next-token cross entropy in fp32; the targets follow the logits to their device."""
+    targets = tokens[:, 1:].reshape(-1).to(logits.device)
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets)
 
 
 class Issue156784Model(nn.Module):

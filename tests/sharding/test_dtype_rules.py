@@ -103,14 +103,11 @@ class _TowerWithIds(nn.Module):
 
 
 def _plugin_agreement(rank: int) -> Dict[str, Any]:
-    from lightning.fabric import Fabric
-
     from lightning_mixedfsdp import MixedFSDPPrecision
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
     strategy = MixedFSDP2Strategy(storage="fp32", keep_fp32_params=[r"lm_head"])
-    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[MixedFSDPPrecision("bf16-true")])
-    fabric.launch()
+    fabric = make_fabric(WORLD, precision=None, strategy=strategy, plugins=[MixedFSDPPrecision("bf16-true")])
     model = fabric.setup(tiny_model("llama"))
     plan = fabric.strategy.plan_of(model)
     dtypes = {n: p.dtype for n, p in unwrap(model).named_parameters()}

@@ -14,6 +14,7 @@ from tests.scenarios import (
     describe_params,
     full_params,
     global_batch,
+    make_fabric,
     rank_slice,
     reference_model,
     train_reference,
@@ -23,23 +24,13 @@ STEPS = 5
 WORLD = 2
 
 
-def _fabric(world_size: int, precision: str, strategy: Any = "mixed_fsdp2") -> Any:
-    from lightning.fabric import Fabric
-
-    import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
-
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy, precision=precision)
-    fabric.launch()
-    return fabric
-
-
 def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
     from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 
-    fabric = _fabric(world_size, precision)
+    fabric = make_fabric(world_size, precision)
     torch.manual_seed(0)
     model = fabric.setup(TinyLlama(LLAMA))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -93,7 +84,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     variants = {"uniform_bf16": dict(keep_fp32_modules=[]), "grouped_sharded": dict(replicate_below_bytes=0)}
     for name, fields in variants.items():
-        fabric = _fabric(world_size, "bf16-true", MixedFSDP2Strategy(**fields))
+        fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(**fields))
         torch.manual_seed(0)
         model = fabric.setup(TinyLlama(LLAMA))
         out[name] = _steady_step_counts(fabric, model, rank, world_size)
@@ -110,14 +101,14 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
 def _train_issue_156784(rank: int, world_size: int, strategy: Any) -> Dict[str, Any]:
     from lightning_mixedfsdp.recipes.models import Issue156784Model
 
-    fabric = _fabric(world_size, "32-true", strategy)
+    fabric = make_fabric(world_size, "32-true", strategy)
     torch.manual_seed(0)
     model = fabric.setup(Issue156784Model())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(8 * world_size, 32, generator=generator)
     y = x[:, :4].sum(-1, keepdim=True)
-    x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank].to(fabric.device)
     losses = []
     for _ in range(STEPS):
         loss = torch.nn.functional.mse_loss(model(x), y)

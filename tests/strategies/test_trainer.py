@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.distributed import accelerator_for, run_distributed
 from tests.scenarios import (
     A_LOG,
     MIXER,
@@ -140,7 +140,7 @@ def _fit(
     if folder is not None:
         callbacks.append(ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1))
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator_for(WORLD),
         devices=WORLD,
         strategy=MixedFSDP2Strategy(keep_fp32_params=A_LOG, **(strategy_fields or {})),
         precision="bf16-true",
