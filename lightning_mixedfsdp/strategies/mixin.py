@@ -24,6 +24,7 @@ from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_rep
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes
 from lightning_mixedfsdp.sharding.names import unwrap_model, user_class_name
 from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_validated
+from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
 STRATEGY_NAME = "mixed_fsdp2"
 
@@ -240,6 +241,7 @@ class MixedFSDP2Mixin:
         # Lightning's ModelParallelStrategy would build its own 2-D mesh; ours adds the replicate dim (HSDP)
         super(self._lightning_strategy, self).setup_environment()  # the accelerator's device setup
         self._setup_distributed()
+        destroy_process_group_at_exit()
         self._build_meshes()
 
     def _build_meshes(self) -> ParallelMeshes:

@@ -215,3 +215,39 @@ def test_default_mesh_is_pure_data_parallel_over_all_ranks(core_results: list) -
     for rank, result in enumerate(core_results):
         assert result["bf16-true"]["fsdp_mesh"] == (WORLD,)
         assert result["bf16-true"]["sampler"] == {"num_replicas": WORLD, "rank": rank}
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+
+import lightning_mixedfsdp  # noqa: F401
+
+out = Path(sys.argv[1])
+fabric = Fabric(accelerator="cpu", devices=2, strategy="mixed_fsdp2", precision="bf16-true")
+# registered before the strategy's exit hook, so it runs after it (atexit runs last in, first out)
+atexit.register(lambda: (out / f"rank{fabric.global_rank}").write_text(str(dist.is_initialized())))
+fabric.launch()
+model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)))
+# a collective right before the end: the pattern whose gloo worker could outlive the interpreter
+fabric.all_gather(model(torch.ones(2, 8)).float().sum().detach())
+"""
+
+
+def test_a_launched_run_destroys_its_process_groups_before_the_interpreter_exits(tmp_path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exits.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = Path(__file__).resolve().parents[2]
+    completed = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=180
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(WORLD)] == ["False", "False"]
