@@ -178,9 +178,32 @@ def _second_setup(rank: int) -> str:
     return "no error"
 
 
+def _removable_hooks(rank: int) -> Dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_mixedfsdp.recipes.models import TinyLlama
+
+    def hooks_on(model: torch.nn.Module) -> int:
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    fabric = make_fabric(WORLD, "bf16-true")
+    model = fabric.setup(TinyLlama(MIXER))
+    (applied,) = fabric.strategy._sharded._applied.values()
+    kept, before = len(applied.handles), hooks_on(model)
+    applied.remove_hooks()
+    # what is left must be FSDP's own: one pre- and one post-forward hook on each FSDP module, none elsewhere
+    left_over = [
+        name
+        for name, m in model.named_modules()
+        if (len(m._forward_pre_hooks), len(m._forward_hooks)) != ((1, 1) if isinstance(m, FSDPModule) else (0, 0))
+    ]
+    return {"kept": kept, "removed": before - hooks_on(model), "left": len(applied.handles), "left_over": left_over}
+
+
 def _scenarios(rank: int, world_size: int) -> Dict[str, Any]:
     return {
         "second_setup": _second_setup(rank),
+        "hooks": _removable_hooks(rank),
         "fail": _train_through_a_failure(rank, "fail"),
         "skip": _train_through_a_failure(rank, "skip"),
         "syncs": _host_syncs(rank),
@@ -227,6 +250,15 @@ def test_replicated_grads_follow_fsdps_gradient_divide_factor(results: list) -> 
         # factor 1.0: a sum over the 2 ranks instead of their mean, for sharded and replicated grads alike (a factor
         # of 2 is exact in bf16 and fp32)
         assert torch.equal(total["grads"][name], WORLD * grad), name
+
+
+def test_every_installed_hook_is_kept_and_removable(results: list) -> None:
+    for result in results:
+        hooks = result["hooks"]
+        # the replicated A_log and norms' swap and cast hooks plus the step tracker: well above one
+        assert hooks["kept"] > 1
+        assert hooks["removed"] == hooks["kept"] and hooks["left"] == 0
+        assert hooks["left_over"] == []
 
 
 def test_setting_up_a_module_twice_is_refused_with_the_fix(results: list) -> None:
