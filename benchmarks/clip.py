@@ -21,7 +21,7 @@ from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) -> Dict[str, Any]:
@@ -34,7 +34,7 @@ def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) ->
     mixed_config = MixedFSDPConfig(keep_fp32_params=[r"A_log$"])
     bulk = mixed_config.bulk_dtypes("bf16-true")
     torch.manual_seed(0)
-    mixed = ShardedModules().shard(TinyLlama(config).to(device), mixed_config, bulk, meshes, device, lambda m, _: m)
+    mixed = shard_model(TinyLlama(config).to(device), mixed_config, bulk, meshes, device).module
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank)).to(device)
     for model in (uniform, mixed):
         causal_lm_loss(model(tokens), tokens).backward()

@@ -12,7 +12,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
 from lightning_mixedfsdp.sharding.apply import apply_dtypes
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 CONFIGS = {
     "a": "uniform all-bf16 FSDP2 (norms bf16: fast, numerically wrong)",
@@ -57,7 +57,7 @@ def build_sharded(config: str, model_config: TinyLlamaConfig, kind: str, device:
         return shard_each_norm_separately(model, meshes.fsdp)
     fields = {"replicate_below_bytes": 0} if config == "d" else {}
     mixed = MixedFSDPConfig(**fields)
-    return ShardedModules().shard(model, mixed, mixed.bulk_dtypes("bf16-true"), meshes, device, lambda m, _: m)
+    return shard_model(model, mixed, mixed.bulk_dtypes("bf16-true"), meshes, device).module
 
 
 def local_bytes(tensor: torch.Tensor) -> int:

@@ -26,7 +26,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 MODES = {
     "plain": {},
@@ -77,9 +77,9 @@ def measure_modes(
         models = {"uniform bf16": uniform_bf16(TinyLlama(config).to(device), meshes.fsdp, **_flags(fields))}
         torch.manual_seed(0)
         mixed = MixedFSDPConfig(**fields)
-        models["mixed_fsdp2"] = ShardedModules().shard(
-            TinyLlama(config).to(device), mixed, mixed.bulk_dtypes("bf16-true"), meshes, device, lambda m, _: m
-        )
+        models["mixed_fsdp2"] = shard_model(
+            TinyLlama(config).to(device), mixed, mixed.bulk_dtypes("bf16-true"), meshes, device
+        ).module
         optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
         times: Dict[str, List[float]] = {name: [] for name in models}
         saved = {}
@@ -121,9 +121,7 @@ def lora_memory(rank: int, world_size: int, kind: str) -> Dict[str, Any]:
         torch.manual_seed(0)
         model = get_peft_model(LlamaForCausalLM(llama), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
         config = MixedFSDPConfig(pin_frozen_modules=pin)
-        model = ShardedModules().shard(
-            model.to(device), config, config.bulk_dtypes("bf16-mixed"), meshes, device, lambda m, _: m
-        )
+        model = shard_model(model.to(device), config, config.bulk_dtypes("bf16-mixed"), meshes, device).module
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(rank)).to(device)
         model(input_ids=tokens, labels=tokens).loss.backward()

@@ -24,7 +24,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def save_gpt_oss(directory: str, layers: int, hidden: int) -> None:
@@ -63,9 +63,7 @@ def build_all(directory: str, kind: str, device: torch.device, world_size: int) 
     for flag in ("bf16-true", "bf16-mixed"):
         config = MixedFSDPConfig()
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).to(device)
-        models[f"mixed_fsdp2, {flag}"] = ShardedModules().shard(
-            model, config, config.bulk_dtypes(flag), meshes, device, lambda m, _: m
-        )
+        models[f"mixed_fsdp2, {flag}"] = shard_model(model, config, config.bulk_dtypes(flag), meshes, device).module
     return models
 
 

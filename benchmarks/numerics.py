@@ -22,7 +22,7 @@ from lightning_mixedfsdp.recipes.lm import warmup_cosine
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 RUNS = {
     "fp32": ("32-true", {}, "full fp32"),
@@ -48,9 +48,7 @@ def train(
     )
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if any(w in n for w in WATCHED)}
     meshes = build_parallel_meshes(kind, 1, world, 1, world)
-    model = ShardedModules().shard(
-        model.to(device), config, config.bulk_dtypes(precision), meshes, device, lambda m, _: m
-    )
+    model = shard_model(model.to(device), config, config.bulk_dtypes(precision), meshes, device).module
 
     train_bytes, held_out = split_corpus(stdlib_files(), held_out_every=10, max_bytes=4_000_000)
     windows = RandomWindows(train_bytes, seq, steps * batch * world, seed=1234)

@@ -16,7 +16,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.strategies.mixin import ShardedModules
+from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def model_config(layers: int) -> TinyLlamaConfig:
@@ -46,7 +46,7 @@ def shard_seconds(rank: int, world_size: int, layers: int, repeats: int, kind: s
         config = MixedFSDPConfig()
         sync()
         start = time.perf_counter()
-        model = ShardedModules().shard(model, config, config.bulk_dtypes("bf16-true"), meshes, device, lambda m, _: m)
+        model = shard_model(model, config, config.bulk_dtypes("bf16-true"), meshes, device).module
         sync()
         shard_times.append(time.perf_counter() - start)
         tokens = torch.randint(0, 256, (1, 16), device=device)

@@ -1,8 +1,12 @@
-"""The one configuration object of the strategy: dataclass, dtype resolution and up-front validation."""
+"""The one configuration object of the strategy: a typed dataclass, dtype resolution and up-front validation.
+
+Every choice is parsed here, once: the precision flag (:func:`check_precision`), the dtype names and the
+activation-checkpointing mode (:func:`parse_activation_checkpointing`).
+"""
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Dict, List, Literal, NamedTuple, Optional, get_args
 
 import torch
 
@@ -12,23 +16,20 @@ DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
 # Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32
 DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$",)
 
-_DTYPE_NAMES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
-_STORAGE_CHOICES = ("auto", "keep", *_DTYPE_NAMES)
-_DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
+StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
+DtypeChoice = Literal["auto", "bf16", "fp32"]
+BufferSyncMode = Literal["none", "broadcast", "average"]
 
+SUPPORTED_PRECISIONS: tuple = get_args(PrecisionFlag)
+_DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Lightning precision flag -> (storage, compute) for the non-pinned bulk; None means "as the model arrives"
 _PRECISION_TO_BULK = {
     "32-true": (None, None),
     "bf16-mixed": (torch.float32, torch.bfloat16),
     "bf16-true": (torch.bfloat16, torch.bfloat16),
 }
-SUPPORTED_PRECISIONS = tuple(_PRECISION_TO_BULK)
-_AC_MODE = re.compile(r"none|full|selective:[1-9][0-9]*")
+_SELECTIVE = re.compile(r"selective:([1-9][0-9]*)")
 
 
 class MixedFSDPConfigError(ValueError):
@@ -39,16 +40,16 @@ class MixedFSDPConfigError(ValueError):
 class MixedFSDPConfig:
     """How ``mixed_fsdp2`` decides dtypes and FSDP groups. Usable as an OmegaConf structured config."""
 
-    storage: str = "auto"
+    storage: StorageChoice = "auto"
     """Storage dtype of the non-pinned params: ``"auto"`` (from the Lightning precision flag), ``"keep"`` (as the
     model arrives, mixed or not), ``"fp32"`` or ``"bf16"``. Pinned (keep-fp32) params are always stored in fp32."""
 
-    compute_dtype: str = "auto"
+    compute_dtype: DtypeChoice = "auto"
     """Dtype the non-pinned params are all-gathered and computed in: ``"auto"`` (bf16 for the bf16 precision flags,
     each group's own storage dtype for ``"32-true"``), ``"bf16"`` or ``"fp32"``. Pinned params compute in fp32 and
     their outputs are cast back to this dtype."""
 
-    reduce_dtype: str = "auto"
+    reduce_dtype: DtypeChoice = "auto"
     """Dtype of the gradient reduce-scatter of the non-pinned params: ``"auto"`` (the compute dtype, FSDP's default),
     ``"bf16"`` or ``"fp32"``. Pinned params always reduce in fp32."""
 
@@ -67,7 +68,7 @@ class MixedFSDPConfig:
 
     cast_buffers: bool = False
     """Cast the floating buffers no rule covers to the bulk storage dtype, as Lightning's own ``bf16-true`` does. Off:
-    a buffer keeps the dtype the model built it in (RoPE ``inv_freq`` stays fp32), except in fully frozen modules."""
+    a buffer keeps the dtype the model's own construction gives it (see the buffer rule in README)."""
 
     wrap_units: Optional[List[str]] = None
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
@@ -80,7 +81,7 @@ class MixedFSDPConfig:
     ``gradient_checkpointing_enable()``, ``torch.utils.checkpoint``) works with every option."""
 
     compile: bool = False
-    """``module.compile()`` each wrap unit before sharding (torchtitan's per-block compile)."""
+    """``torch.compile`` each wrap unit before sharding (torchtitan's per-block compile)."""
 
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""
@@ -98,9 +99,9 @@ class MixedFSDPConfig:
     """On the first forward, warn once listing every module whose floating output is not in the compute dtype."""
 
     init_meta_params: bool = True
-    """For a model built on the meta device: initialise it on rank 0 (each module's ``reset_parameters``, the values a
-    single process with the same seed gets) and broadcast. ``False`` only allocates the shards, for a load that
-    follows (see ``lightning_mixedfsdp.checkpoint.load_full_weights``)."""
+    """For a model built on the meta device: initialise it on rank 0 by the model's own init (the values a single
+    process with the same seed gets) and stream it into the shards. ``False`` only allocates the shards, for a load
+    that follows (see ``lightning_mixedfsdp.load_full_weights``)."""
 
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
@@ -108,12 +109,14 @@ class MixedFSDPConfig:
     def problems(self) -> List[str]:
         """Every problem of this config, each with its fix; empty when valid."""
         problems = []
-        if self.storage not in _STORAGE_CHOICES:
-            problems.append(f"storage={self.storage!r} is not supported; use one of {list(_STORAGE_CHOICES)}.")
-        for name in ("compute_dtype", "reduce_dtype"):
+        for name, choices in (
+            ("storage", get_args(StorageChoice)),
+            ("compute_dtype", get_args(DtypeChoice)),
+            ("reduce_dtype", get_args(DtypeChoice)),
+        ):
             value = getattr(self, name)
-            if value not in _DTYPE_CHOICES:
-                problems.append(f"{name}={value!r} is not supported; use one of {list(_DTYPE_CHOICES)}.")
+            if value not in choices:
+                problems.append(f"{name}={value!r} is not supported; use one of {list(choices)}.")
         for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units"):
             for index, pattern in enumerate(getattr(self, name) or []):
                 if not isinstance(pattern, str) or not pattern.strip():
@@ -126,18 +129,17 @@ class MixedFSDPConfig:
                     problems.append(
                         f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
                     )
-        if not _AC_MODE.fullmatch(str(self.activation_checkpointing)):
-            problems.append(
-                f"activation_checkpointing={self.activation_checkpointing!r} is not supported; use 'none', 'full' or"
-                " 'selective:N' (every N-th unit, N >= 1)."
-            )
+        try:
+            parse_activation_checkpointing(self.activation_checkpointing)
+        except ValueError as err:
+            problems.append(str(err))
         if self.wrap_units is not None and len(self.wrap_units) == 0:
             problems.append("wrap_units=[] names no unit; use None for automatic units or list class names.")
         if not isinstance(self.replicate_below_bytes, int) or self.replicate_below_bytes < 0:
             problems.append(
                 f"replicate_below_bytes={self.replicate_below_bytes!r} must be an int >= 0; use 0 to shard every group."
             )
-        if _DTYPE_NAMES.get(self.storage) == torch.bfloat16 and _DTYPE_NAMES.get(self.compute_dtype) == torch.float32:
+        if self.storage == "bf16" and self.compute_dtype == "fp32":
             problems.append(
                 "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
                 " use storage='fp32' (fp32 master weights) or compute_dtype='bf16'."
@@ -154,13 +156,15 @@ class MixedFSDPConfig:
 
     @property
     def checkpoint_every(self) -> int:
-        """Checkpoint every N-th unit; 0 for none."""
-        mode = self.activation_checkpointing
-        return 0 if mode == "none" else 1 if mode == "full" else int(mode.split(":")[1])
+        """Checkpoint every N-th unit; 0 for none (the config is validated, so this parses)."""
+        return parse_activation_checkpointing(self.activation_checkpointing)
 
-    def bulk_dtypes(self, precision: str) -> "BulkDtypes":
-        """The bulk dtypes for a Lightning precision flag: the one place they are resolved."""
-        return resolve_bulk_dtypes(self.storage, self.compute_dtype, self.reduce_dtype, precision)
+    def bulk_dtypes(self, precision: str, owner: str = "mixed_fsdp2") -> "BulkDtypes":
+        """The bulk dtypes for a Lightning precision flag, which is checked here (``owner`` names who was given it):
+        the one place flags are validated and dtypes resolved."""
+        return resolve_bulk_dtypes(
+            self.storage, self.compute_dtype, self.reduce_dtype, check_precision(precision, owner)
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "MixedFSDPConfig":
@@ -174,6 +178,21 @@ class MixedFSDPConfig:
         return cls(**kwargs)
 
 
+def parse_activation_checkpointing(mode: str) -> int:
+    """``"none"`` -> 0, ``"full"`` -> 1, ``"selective:N"`` -> N (checkpoint every N-th unit)."""
+    if mode == "none":
+        return 0
+    if mode == "full":
+        return 1
+    selective = _SELECTIVE.fullmatch(str(mode))
+    if selective is None:
+        raise ValueError(
+            f"activation_checkpointing={mode!r} is not supported; use 'none', 'full' or 'selective:N' (every N-th"
+            " unit, N >= 1)."
+        )
+    return int(selective.group(1))
+
+
 def precision_problem(precision: Any) -> Optional[str]:
     """Why ``precision`` cannot be used with mixed_fsdp2, with the fix; None when it can."""
     if precision in SUPPORTED_PRECISIONS:
@@ -184,7 +203,7 @@ def precision_problem(precision: Any) -> Optional[str]:
     )
 
 
-def check_precision(precision: Any, owner: str) -> str:
+def check_precision(precision: Any, owner: str) -> PrecisionFlag:
     """``precision`` when supported, else a ValueError naming ``owner`` (the class that was given it)."""
     problem = precision_problem(precision)
     if problem is not None:
@@ -200,10 +219,12 @@ class BulkDtypes(NamedTuple):
     reduce: Optional[torch.dtype]
 
 
-def resolve_bulk_dtypes(storage: str, compute_dtype: str, reduce_dtype: str, precision: str) -> BulkDtypes:
-    """Combine the config's dtype fields with the Lightning precision flag; explicit fields win over the flag."""
-    flag_storage, flag_compute = _PRECISION_TO_BULK[check_precision(precision, "mixed_fsdp2")]
-    resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else _DTYPE_NAMES[storage]
-    resolved_compute = flag_compute if compute_dtype == "auto" else _DTYPE_NAMES[compute_dtype]
-    resolved_reduce = resolved_compute if reduce_dtype == "auto" else _DTYPE_NAMES[reduce_dtype]
+def resolve_bulk_dtypes(
+    storage: StorageChoice, compute_dtype: DtypeChoice, reduce_dtype: DtypeChoice, precision: PrecisionFlag
+) -> BulkDtypes:
+    """Combine the config's dtype fields with a checked precision flag; explicit fields win over the flag."""
+    flag_storage, flag_compute = _PRECISION_TO_BULK[precision]
+    resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else _DTYPES[storage]
+    resolved_compute = flag_compute if compute_dtype == "auto" else _DTYPES[compute_dtype]
+    resolved_reduce = resolved_compute if reduce_dtype == "auto" else _DTYPES[reduce_dtype]
     return BulkDtypes(resolved_storage, resolved_compute, resolved_reduce)

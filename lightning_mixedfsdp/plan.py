@@ -1,11 +1,7 @@
-"""``python -m lightning_mixedfsdp.plan``: the dry-run planner (lives in ``recipes/dry_run.py``); the planner's own
-names are importable from here too, as before the layout change."""
+"""Entry point: ``python -m lightning_mixedfsdp.plan --hf-config PATH --world-size N`` (the dry-run planner lives in
+``recipes/dry_run.py``; the planner itself in ``sharding/plan.py``)."""
 
-from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan, plan_sharding
-
-__all__ = ["DtypeKey", "ShardGroup", "ShardPlan", "plan_sharding"]
+from lightning_mixedfsdp.recipes.dry_run import main
 
 if __name__ == "__main__":
-    from lightning_mixedfsdp.recipes.dry_run import main
-
     main()

@@ -9,7 +9,7 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 from typing_extensions import override
 
-from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, check_precision
+from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, PrecisionFlag
 from lightning_mixedfsdp.sharding.tensors import cast_floating
 
 
@@ -22,9 +22,29 @@ class MixedFSDPPrecision(Precision):
     disagree with the plan; keep-fp32 params and buffers stay fp32 whatever the flag.
     """
 
-    def __init__(self, precision: str = "32-true", bulk: Optional[BulkDtypes] = None) -> None:
-        self.precision = check_precision(precision, type(self).__name__)  # type: ignore[assignment]
-        self.bulk = bulk if bulk is not None else MixedFSDPConfig().bulk_dtypes(precision)
+    def __init__(self, precision: PrecisionFlag = "32-true", bulk: Optional[BulkDtypes] = None) -> None:
+        # the flag is checked where the bulk dtypes are resolved from it (``MixedFSDPConfig.bulk_dtypes``)
+        self.bulk = bulk if bulk is not None else MixedFSDPConfig().bulk_dtypes(precision, type(self).__name__)
+        self.precision = precision
+        self._autocast_device: Optional[str] = None
+
+    def follow_lightning(self, device_type: str) -> None:
+        """For a model the user sharded with FSDP themselves (no dtype plan applied): Lightning's own semantics,
+        i.e. ``torch.autocast`` under ``bf16-mixed`` (its params stay fp32)."""
+        if self.bulk.storage == torch.float32 and self.bulk.compute == torch.bfloat16:
+            self._autocast_device = device_type
+
+    @override
+    def tensor_init_context(self) -> ContextManager:
+        # like Lightning's bf16-true: `init_module()` builds params in the bulk storage dtype, the dtype the plan
+        # gives them (keep-fp32 params are cast up by the plan; HF's `from_config(dtype=bf16)` does the same)
+        if self.bulk.storage == torch.bfloat16:
+            return _default_dtype(torch.bfloat16)
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> ContextManager:
+        return self.tensor_init_context()
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -34,6 +54,8 @@ class MixedFSDPPrecision(Precision):
 
     @override
     def forward_context(self) -> ContextManager:
+        if self._autocast_device is not None:
+            return torch.autocast(self._autocast_device, dtype=torch.bfloat16)
         # like Lightning's bf16-true: tensors created inside forward default to bf16
         if self.bulk.storage == torch.bfloat16 and self.bulk.compute == torch.bfloat16:
             return _default_dtype(torch.bfloat16)

@@ -1,13 +1,12 @@
 """Training runs shared by the tests: the same code runs on N ranks (sharded) and in one process (reference)."""
 
+import re
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama, TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.sharding.apply import apply_dtypes
-from lightning_mixedfsdp.sharding.replicate import install_cast_hooks
 
 LLAMA = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
 BATCH_PER_RANK, SEQ = 2, 16
@@ -29,20 +28,25 @@ def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def reference_model(
     config: TinyLlamaConfig, precision: str, keep_fp32_params: Optional[List[str]] = None, seed: int = 0
 ) -> nn.Module:
-    """One process, the dtypes the plan gives: storage per precision, norms (and matched params) in fp32, norm
-    inputs cast to fp32 and outputs to the compute dtype, like the FSDP groups do."""
-    from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-
+    """One process, with the dtypes README's rules give, written out here (not asked of the planner): under
+    ``bf16-true`` every param is bf16 except the RMSNorm weights (the default keep rule) and the params matching
+    ``keep_fp32_params``, which stay fp32; a norm computes in fp32 and returns bf16. ``32-true`` changes nothing."""
+    if precision not in ("32-true", "bf16-true"):
+        raise ValueError(f"the reference knows 32-true and bf16-true, not {precision!r}")
     torch.manual_seed(seed)
     model = TinyLlama(config)
-    plan = plan_sharding(model, MixedFSDPConfig(keep_fp32_params=keep_fp32_params or []), precision)
-    apply_dtypes(model, plan)
-    compute = plan.bulk.compute
-    if compute is not None:
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                install_cast_hooks(module, torch.float32, compute)
-        model.register_forward_pre_hook(lambda _m, args: tuple(a for a in args))
+    if precision == "32-true":
+        return model
+    patterns = [re.compile(p) for p in keep_fp32_params or []]
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    kept = {id(p) for norm in norms for p in norm.parameters()}
+    kept |= {id(p) for name, p in model.named_parameters() if any(pattern.search(name) for pattern in patterns)}
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(torch.float32 if id(param) in kept else torch.bfloat16)
+    for norm in norms:
+        norm.register_forward_pre_hook(lambda _m, args: tuple(a.float() for a in args))
+        norm.register_forward_hook(lambda _m, _a, output: output.to(torch.bfloat16))
     return model
 
 

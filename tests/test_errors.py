@@ -71,11 +71,11 @@ def test_strategy_rejects_unknown_keyword() -> None:
 
 def test_strategy_rejects_a_config_of_the_wrong_type() -> None:
     with pytest.raises(TypeError, match=r"MixedFSDP2Strategy\(config=42\) must be a MixedFSDPConfig or a mapping"):
-        MixedFSDP2Strategy(42)
+        MixedFSDP2Strategy(config=42)
 
 
 def test_strategy_accepts_a_mapping_and_keyword_overrides() -> None:
-    strategy = MixedFSDP2Strategy({"keep_fp32_params": ["A_log$"]}, replicate_below_bytes=0, wrap_units="auto")
+    strategy = MixedFSDP2Strategy(config={"keep_fp32_params": ["A_log$"]}, replicate_below_bytes=0, wrap_units="auto")
     assert strategy.config == MixedFSDPConfig(keep_fp32_params=["A_log$"], replicate_below_bytes=0)
 
 
@@ -86,9 +86,9 @@ def test_strategy_rejects_bad_mesh_sizes() -> None:
 
 def test_mesh_sizes_must_multiply_to_the_world_size() -> None:
     with pytest.raises(
-        ValueError,
-        match=r"data_parallel_replicate_size=2 x data_parallel_size=3 x tensor_parallel_size=1 must equal the world"
-        r" size \(4\)",
+        RuntimeError,
+        match=r"`data_parallel_replicate_size=2`, `data_parallel_size=3` and `tensor_parallel_size=1` multiplied should"
+        r" equal the world size \(4\)",
     ):
         build_parallel_meshes("cpu", 2, 3, 1, 4)
 
@@ -106,8 +106,7 @@ def test_fabric_with_fp16_flag_is_refused_by_the_strategy() -> None:
     import lightning_mixedfsdp  # noqa: F401
 
     with pytest.raises(
-        ValueError,
-        match=r"MixedFSDP2Strategy does not support the precision plugin HalfPrecision \(precision='16-true'\)",
+        ValueError, match=r"MixedFSDP2Strategy: precision='16-true' is not supported; .*use 'bf16-mixed' or 'bf16-true'"
     ):
         Fabric(accelerator="cpu", devices=1, strategy="mixed_fsdp2", precision="16-true")
 

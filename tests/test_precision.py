@@ -186,15 +186,22 @@ def test_leak_check_names_the_leaking_modules_when_frozen_pinning_is_off(results
 
 def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> None:
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-    from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
     from lightning_mixedfsdp.recipes.models import TinyLlama
     from lightning_mixedfsdp.sharding.apply import apply_dtypes
+    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
 
-    with torch.device("meta"):
-        reference = TinyLlama(MIXER)
+    # `init_module()` under bf16-true builds in bf16, as Lightning's own does; keep-fp32 params are initialised in
+    # fp32 (the rule in README), the rest in the dtype they were built in
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            reference = TinyLlama(MIXER)
+    finally:
+        torch.set_default_dtype(default)
+    apply_dtypes(reference, plan_sharding(reference, MixedFSDPConfig(keep_fp32_params=A_LOG), "bf16-true"))
     torch.manual_seed(META_SEED)
     init_meta_module_(reference)
-    apply_dtypes(reference, plan_sharding(reference, MixedFSDPConfig(keep_fp32_params=A_LOG), "bf16-true"))
     for result in results:
         for name, expected in reference.state_dict().items():
             got = result["meta"]["values"][name]

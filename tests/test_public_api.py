@@ -1,7 +1,6 @@
-"""Every documented import path works: the entry points, the package's exports, and the old paths (deprecated)."""
+"""Every documented import path works: the entry points and the package's exports."""
 
 import importlib
-import sys
 
 import pytest
 
@@ -10,13 +9,12 @@ ENTRY_POINTS = {
     "lightning_mixedfsdp.pytorch": ["MixedFSDP2Strategy", "MixedFSDPTrainerPrecision"],
     "lightning_mixedfsdp.checkpoint": ["load_weights", "load_full_weights", "read_state_dict", "export_model"],
     "lightning_mixedfsdp.recipes.models": ["TinyLlama", "TinyLlamaConfig", "causal_lm_loss"],
-    "lightning_mixedfsdp.recipes.schema": ["Recipe", "RecipeError", "load_recipe"],
+    "lightning_mixedfsdp.recipes.schema": ["Recipe", "RecipeError"],
+    "lightning_mixedfsdp.recipes.loader": ["load_recipe"],
     "lightning_mixedfsdp.diagnostics": ["count_collectives", "DtypeLeakWarning"],
-}
-MOVED = {
-    "lightning_mixedfsdp.models": ("lightning_mixedfsdp.recipes.models", "TinyLlama"),
-    "lightning_mixedfsdp.loading": ("lightning_mixedfsdp.checkpoint", "load_full_weights"),
-    "lightning_mixedfsdp.recipe": ("lightning_mixedfsdp.recipes.schema", "Recipe"),
+    "lightning_mixedfsdp.sharding.pipeline": ["shard_model", "ShardedModel", "ShardedModels"],
+    "lightning_mixedfsdp.train": ["main"],
+    "lightning_mixedfsdp.plan": ["main"],
 }
 
 
@@ -43,12 +41,3 @@ def test_importing_the_package_registers_the_strategy_for_fabric_and_trainer() -
 
     assert STRATEGY_REGISTRY["mixed_fsdp2"]["strategy"] is lightning_mixedfsdp.fabric.MixedFSDP2Strategy
     assert StrategyRegistry["mixed_fsdp2"]["strategy"] is lightning_mixedfsdp.pytorch.MixedFSDP2Strategy
-
-
-@pytest.mark.parametrize("old", MOVED)
-def test_moved_paths_still_import_the_same_objects_with_a_deprecation_warning(old: str) -> None:
-    new, name = MOVED[old]
-    sys.modules.pop(old, None)  # the warning is issued when the alias module runs
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-        alias = importlib.import_module(old)
-    assert getattr(alias, name) is getattr(importlib.import_module(new), name)

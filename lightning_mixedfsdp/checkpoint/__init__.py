@@ -1,10 +1,9 @@
-"""Checkpoints that keep every dtype: atomic saves, dtype-aware and rank-0 loads, meta-device init, export."""
+"""Checkpoints that keep every dtype: atomic saves, dtype-aware and rank-0 loads, export."""
 
 from lightning_mixedfsdp.checkpoint.export import export_adapter, export_model, write_safetensors
-from lightning_mixedfsdp.checkpoint.load import dtype_aware, load_full_weights, load_weights, read_state_dict
+from lightning_mixedfsdp.checkpoint.load import load_full_weights, load_weights, read_state_dict
 
 __all__ = [
-    "dtype_aware",
     "export_adapter",
     "export_model",
     "load_full_weights",

@@ -1,14 +1,37 @@
-"""Atomic commits of Lightning's saves: written beside the target, moved into place by rename."""
+"""Atomic commits of Lightning's saves: written beside the target, moved into place by rename.
+
+A save never deletes a file it did not write. Saving into an existing folder keeps every file in it that is not part
+of a checkpoint (a checkpoint's files: torch DCP's ``.metadata`` and ``*.distcp``, Lightning's ``meta.pt``), as
+Lightning's own ``save_checkpoint`` does; and a kill at any moment leaves the previous checkpoint loadable.
+"""
 
 import os
-import shutil
 from pathlib import Path
-from typing import Union
+from typing import List, Union
+
+PathLike = Union[str, Path]
+"""What Lightning's own checkpoint paths accept (``lightning.fabric.utilities.types._PATH``)."""
+
+DCP_METADATA = ".metadata"
+_CHECKPOINT_FILE_NAMES = (DCP_METADATA, "meta.pt")
+_CHECKPOINT_FILE_SUFFIXES = (".distcp",)
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
     """A torch DCP folder: its ``.metadata`` file is written last, so its presence means the save completed."""
-    return path.is_dir() and (path / ".metadata").is_file()
+    return path.is_dir() and (path / DCP_METADATA).is_file()
+
+
+def is_checkpoint_file(path: Path) -> bool:
+    """A file a sharded save writes (and so may replace or remove)."""
+    return path.is_file() and (path.name in _CHECKPOINT_FILE_NAMES or path.suffix in _CHECKPOINT_FILE_SUFFIXES)
+
+
+def foreign_entries(folder: Path) -> List[Path]:
+    """What a folder holds besides a checkpoint's files: the user's, never removed by a save."""
+    if not folder.is_dir():
+        return []
+    return sorted(entry for entry in folder.iterdir() if not is_checkpoint_file(entry))
 
 
 def temp_sibling(path: Path, token: str) -> Path:
@@ -18,33 +41,47 @@ def temp_sibling(path: Path, token: str) -> Path:
 
 def commit(temp: Path, path: Path, token: str) -> None:
     """Move a finished save into place. A file replaces a file atomically; otherwise the old checkpoint is renamed
-    aside first and removed only after the new one is in place, so a kill at any moment leaves a complete one."""
-    if path.is_file() and temp.is_file():
+    aside first, the new one renamed into place, the user's files carried over from the old folder, and only the old
+    checkpoint's own files removed, so a kill at any moment leaves a complete checkpoint and every user file."""
+    if not path.exists() or (path.is_file() and temp.is_file()):
         os.replace(temp, path)
-    elif path.exists():
+    else:
         old = path.with_name(f".{path.name}.old-{token}")
         os.rename(path, old)
         os.rename(temp, path)
-        remove_path(old)
-    else:
-        os.rename(temp, path)
+        _retire(old, path)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):
         remove_path(stale)
 
 
 def recover(path: Path) -> None:
-    """If a kill fell between the two renames of :func:`commit`, put the previous checkpoint back at ``path``."""
-    if path.exists():
-        return
+    """Finish a commit a kill interrupted: put the previous checkpoint back at ``path`` if the kill fell between the
+    two renames, else carry the user's files out of the folder set aside and remove its checkpoint files."""
     previous = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
-    if previous:
-        os.rename(previous[-1], path)
+    if previous and not path.exists():
+        os.rename(previous.pop(), path)
+    for old in previous:
+        _retire(old, path)
 
 
-def remove_path(path: Union[str, Path]) -> None:
-    """Delete a checkpoint file or folder, if present."""
+def remove_path(path: PathLike) -> None:
+    """Delete a checkpoint file, or a checkpoint folder's own files (the folder too, once nothing else is in it)."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists():
+        for entry in path.iterdir():
+            if is_checkpoint_file(entry):
+                entry.unlink()
+        if not any(path.iterdir()):
+            path.rmdir()
+    elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _retire(old: Path, path: Path) -> None:
+    """Remove a replaced checkpoint, first moving the user's files in it into the new checkpoint folder at ``path``
+    (a full-file save over a folder holding user files is refused before anything is written)."""
+    if old.is_dir() and path.is_dir():
+        for entry in foreign_entries(old):
+            if not (path / entry.name).exists():
+                os.rename(entry, path / entry.name)
+    remove_path(old)

@@ -1,28 +1,22 @@
-"""Safetensors export in the HF layout, keeping the plan's fp32 params fp32."""
+"""Safetensors export in the HF layout: every tensor in the dtype its plan keeps (fp32) or the export's dtype."""
 
 import json
-import re
 from pathlib import Path
-from typing import Collection, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Collection, Dict, List, Optional, cast
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp.sharding.names import unwrap_model, user_class
+from lightning_mixedfsdp.checkpoint.atomic import PathLike
+from lightning_mixedfsdp.sharding.names import is_peft_model, peft_base_name, unwrap_model, user_class
+from lightning_mixedfsdp.sharding.plan import ShardPlan
 
-PathLike = Union[str, Path]
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
-
-
-def export_dtypes(
-    names: Sequence[str], dtype: torch.dtype, keep_fp32: Union[Collection[str], Sequence[str]], patterns: bool
-) -> Dict[str, torch.dtype]:
-    """Save dtype per name: fp32 for the keep set (names, or regexes when ``patterns``), ``dtype`` for the rest."""
-    compiled = [re.compile(p) for p in keep_fp32] if patterns else []
-    keep = set() if patterns else set(keep_fp32)
-    return {name: torch.float32 if name in keep or any(c.search(name) for c in compiled) else dtype for name in names}
 
 
 def write_safetensors(
@@ -60,16 +54,15 @@ def export_model(
     model: nn.Module,
     directory: PathLike,
     dtype: torch.dtype,
-    keep_fp32_names: Collection[str] = (),
-    keep_fp32_patterns: Optional[Sequence[str]] = None,
+    plan: ShardPlan,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Optional[List[Path]]:
     """Gather the full weights on rank 0 and write them as safetensors; every rank must call it.
 
-    Tensors in ``keep_fp32_names`` (or matching ``keep_fp32_patterns`` when given) are written in fp32, the rest in
-    ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the export. A PEFT
-    model is exported merged (its adapters folded into the base weights, by peft's own ``merge_and_unload``), under
-    the base model's names. Returns the written files on rank 0, None elsewhere.
+    The tensors ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other floating
+    tensor in ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the
+    export. A PEFT model is exported merged (its adapters folded into the base weights, by peft's own
+    ``merge_and_unload``), under the base model's names. Returns the written files on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 
@@ -77,13 +70,13 @@ def export_model(
     state = full_state_dict(model)
     if dist.get_rank() != 0:
         return None
-    if _is_peft_model(model):
-        state, keep_fp32_names = _merged_peft_state(model, state, keep_fp32_names)
-    if keep_fp32_patterns is not None:
-        targets = export_dtypes(list(state), dtype, keep_fp32_patterns, patterns=True)
-    else:
-        targets = export_dtypes(list(state), dtype, keep_fp32_names, patterns=False)
-    converted = {n: t.to(targets[n]) if t.is_floating_point() else t for n, t in state.items()}
+    keep_fp32: Collection[str] = set(plan.fp32_names)
+    if is_peft_model(model):
+        state = _merged_peft_state(model, state)
+        keep_fp32 = {base for base in (peft_base_name(n) for n in keep_fp32) if base is not None}
+    converted = {
+        n: t.to(torch.float32 if n in keep_fp32 else dtype) if t.is_floating_point() else t for n, t in state.items()
+    }
     directory = Path(directory)
     files = write_safetensors(converted, directory, max_shard_bytes)
     config = getattr(model, "config", None)
@@ -101,7 +94,7 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     from safetensors.torch import save_file
 
     model = unwrap_model(model)
-    if not _is_peft_model(model):
+    if not is_peft_model(model):
         raise TypeError(
             f"export_adapter: {type(model).__name__} is not a PEFT model; use export_safetensors for its weights, or"
             " wrap the model with peft.get_peft_model before setup."
@@ -109,7 +102,7 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     state = full_state_dict(model)
     if dist.get_rank() != 0:
         return None
-    adapter = model.active_adapter
+    adapter: str = model.active_adapter
     weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -123,20 +116,11 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
     """The full (gathered) state dict on rank 0, offloaded to the CPU; empty elsewhere. Names are canonical."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return cast(Dict[str, Tensor], get_model_state_dict(model, options=options))
 
 
-def _is_peft_model(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def _merged_peft_state(
-    model: nn.Module, state: Dict[str, Tensor], keep_fp32_names: Collection[str]
-) -> Tuple[Dict[str, Tensor], List[str]]:
+def _merged_peft_state(model: "PeftModel", state: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """The merged weights of a PEFT model under its base model's names, computed by peft on an unsharded copy that
     rank 0 builds from the base model's class and config (the export needs the full model on rank 0 anyway)."""
     import copy
@@ -152,12 +136,11 @@ def _merged_peft_state(
         )
     with torch.device("meta"):
         copy_of_base = user_class(base)(copy.deepcopy(config))
-    adapter = model.active_adapter
+    adapter: str = model.active_adapter
     unsharded = get_peft_model(copy_of_base, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
     unsharded.load_state_dict(state, strict=True, assign=True)
-    if hasattr(copy_of_base, "tie_weights"):
-        copy_of_base.tie_weights()  # assign=True replaced the tied tensors one by one
-    merged = unsharded.merge_and_unload()
-    prefix = "base_model.model."
-    keep = [n[len(prefix) :].replace(".base_layer.", ".") for n in keep_fp32_names if n.startswith(prefix)]
-    return merged.state_dict(), keep
+    tie_weights = getattr(copy_of_base, "tie_weights", None)
+    if callable(tie_weights):
+        tie_weights()  # assign=True replaced the tied tensors one by one
+    merged: nn.Module = unsharded.merge_and_unload()
+    return merged.state_dict()

@@ -1,20 +1,19 @@
 """Loading weights without losing a dtype: dtype-aware casting and rank-0-only reads into sharded models."""
 
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, replace_parameter
+from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
-from lightning_mixedfsdp.checkpoint.stream import produce_each, stream_into, tensor_targets
-from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.sharding.matching import KeepFp32Rules, match_keep_fp32
-from lightning_mixedfsdp.sharding.names import canonical_name, unwrap_model
+from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
+from lightning_mixedfsdp.sharding.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
+from lightning_mixedfsdp.sharding.stream import produce_each, stream_into, tensor_targets
 
-PathLike = Union[str, Path]
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
@@ -25,40 +24,75 @@ def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
     return {name: reader.get(name) for name in reader.keys()}
 
 
-def dtype_aware(
-    state_dict: Dict[str, Tensor],
-    pinned: Collection[str],
-    requested: torch.dtype,
-    buffer_dtypes: Optional[Dict[str, torch.dtype]] = None,
-) -> Dict[str, Tensor]:
-    """Cast to ``requested``; pinned entries get the promotion of their checkpoint dtype with the request, so an
-    fp32 ``A_log`` stays fp32 in a bf16 load and an explicit fp32 request makes everything fp32. Buffers no rule
-    pins keep the dtype the model built them in (``buffer_dtypes``), as the dtype plan does."""
-    buffer_dtypes = buffer_dtypes or {}
-    out = {}
-    for name, tensor in state_dict.items():
-        if not tensor.is_floating_point():
-            out[name] = tensor
-        elif name in pinned:
-            out[name] = tensor.to(torch.promote_types(tensor.dtype, requested))
-        else:
-            out[name] = tensor.to(buffer_dtypes.get(name, requested))
-    return out
-
-
 def load_weights(
     model: nn.Module,
     source: Union[PathLike, Dict[str, Tensor]],
     dtype: torch.dtype,
     config: Optional[MixedFSDPConfig] = None,
 ) -> nn.Module:
-    """Load into an unsharded model (meta or not), dtype-aware; the model's params take the loaded dtypes."""
-    config = config or MixedFSDPConfig()
-    state = read_state_dict(source) if isinstance(source, (str, Path)) else source
-    pinned = match_keep_fp32(model, KeepFp32Rules.of(config))
-    buffers = {name: b.dtype for name, b in model.named_buffers() if b.is_floating_point()}
-    model.load_state_dict(dtype_aware(state, pinned.rule_of, dtype, buffers), strict=True, assign=True)
+    """Load a full checkpoint into an unsharded model (meta or not), every tensor in the dtype its plan gives it with
+    ``dtype`` as the bulk: keep-fp32 params and buffers fp32, other buffers as the plan's buffer rule says, the rest
+    ``dtype``. The plan's dtype boundaries are installed too (a keep-fp32 module computes in fp32 and returns
+    ``dtype``), so a plain forward runs. Tied params stay one tensor; a checkpoint may hold every tied name (equal
+    copies) or one of them."""
+    from lightning_mixedfsdp.sharding.boundaries import apply_dtype_boundaries
+    from lightning_mixedfsdp.sharding.plan import plan_validated
+
+    config = (config or MixedFSDPConfig()).validate()
+    plan = plan_validated(model, config, BulkDtypes(dtype, dtype, dtype))
+    state = read_state_dict(source) if isinstance(source, (str, Path)) else dict(source)
+    ties = tied_names(model)
+    state = _untied_state(state, ties)
+    planned = {name: p.key.storage for name, p in plan.params.items()}
+    planned.update({name: b.dtype for name, b in plan.buffers.items()})
+    for alias, own in ties.items():
+        planned[alias] = planned[own]
+    cast = {n: t.to(planned.get(n, dtype)) if t.is_floating_point() else t for n, t in state.items()}
+    model.load_state_dict(cast, strict=True, assign=True)
+    tie_again(model, ties)
+    apply_dtype_boundaries(model, plan)
     return model
+
+
+def tied_names(model: nn.Module) -> Dict[str, str]:
+    """Every alias of a tied param -> the name it is tied to (the first name ``named_parameters`` gives it)."""
+    owner_of: Dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        own = owner_of.setdefault(id(param), name)
+        if own != name:
+            aliases[canonical_name(name)] = canonical_name(own)
+    return aliases
+
+
+def tie_again(model: nn.Module, ties: Dict[str, str]) -> None:
+    """After ``load_state_dict(assign=True)`` replaced tied params one by one: make each alias the same param again."""
+    for alias, own in ties.items():
+        module_name, _, attribute = alias.rpartition(".")
+        replace_parameter(model.get_submodule(module_name), attribute, model.get_parameter(own))
+
+
+def _untied_state(state: Dict[str, Tensor], ties: Dict[str, str]) -> Dict[str, Tensor]:
+    """``state`` with each tied group held once under every name: copies must be equal, one name is enough."""
+    groups: Dict[str, List[str]] = {}
+    for alias, own in ties.items():
+        groups.setdefault(own, [own]).append(alias)
+    state = dict(state)
+    for names in groups.values():
+        present = [n for n in names if n in state]
+        if not present:
+            continue
+        first = state[present[0]]
+        differing = [n for n in present[1:] if not torch.equal(state[n], first)]
+        if differing:
+            raise ValueError(
+                f"load_weights: the model ties {names}, but the checkpoint holds different values for"
+                f" {[present[0], *differing]}. Save the tied model's own state dict, or untie the model before"
+                " loading (e.g. tie_word_embeddings=False)."
+            )
+        for name in names:
+            state[name] = first
+    return state
 
 
 def load_full_weights(
@@ -183,14 +217,15 @@ def _checkpoint_names(model: nn.Module) -> Dict[str, str]:
     model's base names are its base model's checkpoint keys; its adapters are in no base checkpoint."""
     names = [(canonical_name(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
     for module_name, module in model.named_modules():
-        for buffer_name, buffer in module._buffers.items():
-            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+        skipped = non_persistent_buffer_names(module)
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name not in skipped:
                 names.append((canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name), buffer))
     known: Dict[int, str] = {}
     mapping = {}
     for name, tensor in names:
         own = known.setdefault(id(tensor), name)
-        key = _base_key(name) if _is_peft(model) else name
+        key = peft_base_name(name) if is_peft_model(model) else name
         if key is not None:
             mapping[key] = own
     return mapping
@@ -198,21 +233,7 @@ def _checkpoint_names(model: nn.Module) -> Dict[str, str]:
 
 def _own_key(name: str) -> str:
     """The checkpoint key of a model name (the inverse of the PEFT mapping for base params)."""
-    return _base_key(name) or name
-
-
-def _base_key(name: str) -> Optional[str]:
-    prefix = "base_model.model."
-    if not name.startswith(prefix):
-        return name
-    if "lora_" in name:
-        return None
-    return name[len(prefix) :].replace(".base_layer.", ".")
-
-
-def _is_peft(model: nn.Module) -> bool:
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
+    return peft_base_name(name) or name
 
 
 def _byte_chunks(targets: Dict[str, Tensor], names: Sequence[str], chunk_bytes: int) -> List[List[str]]:

@@ -14,6 +14,7 @@ from typing import Any, Iterator, List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from lightning_mixedfsdp.recipes.inputs import data_files
@@ -164,8 +165,8 @@ class TextCorpus(pl.LightningDataModule):
         super().__init__()
         self.data, self.seed, self.micro_batches = data, seed, micro_batches
         self.tokenizer = make_tokenizer(data.tokenizer)
-        self.train_set: Optional[Dataset] = None
-        self.val_set: Optional[Dataset] = None
+        self.train_set: Optional[PackedWindows] = None
+        self.val_set: Optional[PackedWindows] = None
 
     def setup(self, stage: str) -> None:
         data = self.data
@@ -178,14 +179,21 @@ class TextCorpus(pl.LightningDataModule):
                 f" data.seq_len={data.seq_len}; add text, lower data.seq_len or data.held_out_every."
             )
 
+    def _launched(self) -> pl.Trainer:
+        assert self.trainer is not None, "the data module is used by a Trainer"
+        return self.trainer
+
     def _data_parallel(self) -> Tuple[int, int]:
-        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        strategy = self._launched().strategy
+        assert isinstance(strategy, ParallelStrategy)
+        kwargs = strategy.distributed_sampler_kwargs
         return kwargs["num_replicas"], kwargs["rank"]
 
     def train_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         # restored before this hook runs: a resumed run starts after the micro-batches its checkpoint consumed
-        start = self.trainer.global_step * self.trainer.accumulate_grad_batches
+        trainer = self._launched()
+        start = trainer.global_step * trainer.accumulate_grad_batches
         assert self.train_set is not None
         batch = self.data.batch_size
         sampler = StreamSampler(len(self.train_set), batch, ranks, rank, self.seed, start, self.micro_batches)

@@ -78,7 +78,7 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     """The HF config, strategy config, precision and replicas, from the flags and an optional recipe."""
     config, precision, replicate, hf_source = MixedFSDPConfig(), "bf16-true", 1, args.hf_config
     if args.recipe:
-        from lightning_mixedfsdp.recipes.schema import load_recipe
+        from lightning_mixedfsdp.recipes.loader import load_recipe
 
         recipe = load_recipe(args.recipe)
         config = recipe.mixed_fsdp_config()

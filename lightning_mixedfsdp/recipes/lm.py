@@ -55,7 +55,7 @@ class CausalLM(pl.LightningModule):
         self.model_section, self.peft = model, peft or PeftSection()
         # the reference model is built here; an HF model in configure_model, on the meta device
         self.model: Optional[nn.Module] = TinyLlama(model) if model.hf_source() is None else None
-        self.optim = {"lr": lr, "weight_decay": weight_decay, "betas": tuple(betas)}
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
         self.held_out_perplexity = Perplexity()
         self.perplexities: Dict[str, float] = {}
@@ -69,9 +69,11 @@ class CausalLM(pl.LightningModule):
         if self.model_section.pretrained is not None and self.trainer.ckpt_path is None:
             from lightning_mixedfsdp.checkpoint.load import load_full_weights
 
+            assert self.model is not None  # configure_model built it
             load_full_weights(self.model, self.model_section.pretrained)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None  # configure_model built it
         if isinstance(self.model, TinyLlama):
             return self.model(tokens)
         return self.model(input_ids=tokens).logits
@@ -95,7 +97,7 @@ class CausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
-        optimizer = torch.optim.AdamW(trainable, **self.optim)
+        optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps)
         )

@@ -17,12 +17,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
 from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, load_recipe
+from lightning_mixedfsdp.recipes.loader import load_recipe
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -53,7 +55,7 @@ def build_trainer(recipe: Recipe) -> pl.Trainer:
         devices=recipe.trainer.devices,
         num_nodes=recipe.trainer.num_nodes,
         strategy=MixedFSDP2Strategy(**kwargs),
-        precision=recipe.trainer.precision,
+        precision=recipe.trainer.precision,  # type: ignore[arg-type]  # a flag the schema checked
         max_steps=recipe.trainer.max_steps,
         max_epochs=1,  # the training stream holds exactly max_steps optimizer steps
         accumulate_grad_batches=recipe.trainer.accumulate_grad_batches,
@@ -107,6 +109,7 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
     """``export/``: the (merged) weights, the HF config and the tokenizer files; ``adapter/`` for LoRA."""
     output = Path(recipe.output.dir)
     strategy = trainer.strategy
+    assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
     strategy.export_safetensors(module.model, output / "export", dtype=EXPORT_DTYPES[recipe.output.export_dtype])
     if recipe.peft.enabled:
         strategy.export_adapter(module.model, output / "adapter")
@@ -130,6 +133,7 @@ def dry_run(recipe: Recipe) -> None:
     from lightning_mixedfsdp.sharding.memory import estimate_memory
     from lightning_mixedfsdp.sharding.plan import plan_sharding
 
+    model: nn.Module
     if recipe.model.hf_source() is None:
         with torch.device("meta"):
             model = TinyLlama(recipe.model)

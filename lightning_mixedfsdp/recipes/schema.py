@@ -4,7 +4,7 @@ once, each with its fix."""
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -161,8 +161,9 @@ class Recipe:
         return self.trainer.devices * self.trainer.num_nodes
 
 
-def load_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Recipe:
-    """Schema defaults < the YAML file < ``key.sub=value`` overrides; raise :class:`RecipeError` with every problem.
+def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Recipe, List[str]]:
+    """Schema defaults < the YAML file < ``key.sub=value`` overrides: the merged recipe and every problem of its
+    fields (the files it points at are checked by ``recipes.loader.load_recipe``).
 
     Each leaf is merged on its own, so a typo does not hide the next problem; the semantic checks then run on the
     valid leaves and their problems are reported in the same error.
@@ -189,16 +190,9 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Recipe:
         problems += found
         leaves += valid
     merged = OmegaConf.merge(schema, *(_nested(dotted, value) for dotted, value in leaves))
-    recipe: Recipe = OmegaConf.to_object(merged)
+    recipe = cast(Recipe, OmegaConf.to_object(merged))
     problems += validate_recipe(recipe)
-    if not problems:  # the files a recipe points at, once its fields are right
-        from lightning_mixedfsdp.recipes.inputs import input_problems
-
-        problems += input_problems(recipe)
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise RecipeError(f"Recipe has {len(problems)} problem(s):\n{listed}")
-    return recipe
+    return recipe, problems
 
 
 def validate_recipe(recipe: Recipe) -> List[str]:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan
@@ -17,6 +18,7 @@ from lightning_mixedfsdp.sharding.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
     ReplicatedParam,
+    as_dtensor,
     broadcast_from_first_rank,
     fsdp_gradient_divide_factor,
     replicate_params,
@@ -54,13 +56,16 @@ def apply_plan(
     compile_units: bool = False,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
-    when the user's ``parallelize`` shards with FSDP itself."""
+    when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
+    shards it itself."""
+    if _already_sharded(model):
+        return model, None
     apply_dtypes(model, plan)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
         return model, None
     check_plan_fits(model, plan)
-    top_units = outermost_units(plan.units)
+    top_units = list(plan.outermost_units)
     if checkpoint_every:
         apply_activation_checkpointing(model, top_units[::-1][::checkpoint_every])
     index = ModuleIndex(model)
@@ -87,7 +92,7 @@ def apply_dtypes(model: nn.Module, plan: ShardPlan) -> nn.Module:
         for buffer_name, buffer in module.named_buffers(recurse=False):
             planned = plan.buffers.get(canonical_name(f"{module_name}.{buffer_name}" if module_name else buffer_name))
             if planned is not None and buffer.dtype != planned.dtype:
-                module._buffers[buffer_name] = buffer.to(planned.dtype)
+                replace_buffer(module, buffer_name, buffer.to(planned.dtype))
     return model
 
 
@@ -119,15 +124,8 @@ def apply_step_tracking(
     return reducer, tracker
 
 
-def outermost_units(units: Sequence[str]) -> List[str]:
-    """Units not nested in another unit, in the plan's order (children before parents, i.e. last block first)."""
-    return [u for u in units if not any(u != other and u.startswith(f"{other}.") for other in units)]
-
-
 def apply_activation_checkpointing(model: nn.Module, units: Sequence[str]) -> None:
     """Wrap each unit in torch's ``checkpoint_wrapper`` (non-reentrant), in place in its parent."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     wanted = set(units)
     # outermost module of each canonical name: a unit the user already wrapped is wrapped again, around the wrapper
     seen: Set[str] = set()
@@ -162,7 +160,8 @@ def check_plan_fits(model: nn.Module, plan: ShardPlan) -> None:
 def sync_replicas(applied: AppliedPlan, meshes: ParallelMeshes) -> None:
     """Replicas start identical on every data-parallel rank (rank 0's values), however each rank initialised them."""
     if applied.replicas:
-        broadcast_from_first_rank([r.param.to_local() for r in applied.replicas], meshes.data_parallel.get_group())
+        replicas = [as_dtensor(r.param).to_local() for r in applied.replicas]
+        broadcast_from_first_rank(replicas, meshes.data_parallel.get_group())
 
 
 def mp_policy(key: DtypeKey) -> "MixedPrecisionPolicy":

@@ -11,6 +11,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lightning_mixedfsdp._torch_compat import foreach_mul_, foreach_norm
+
 _GroupKey = Tuple[Any, Any]
 _BucketKey = Tuple[torch.device, torch.dtype]
 
@@ -64,7 +66,7 @@ def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tens
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     total = torch.zeros((), dtype=torch.float32, device=device)
     for (mesh, placements), buckets in groups.items():
-        norms = [n for grads in buckets.values() for n in torch._foreach_norm(grads, norm_type, dtype=torch.float32)]
+        norms = [n for grads in buckets.values() for n in foreach_norm(grads, norm_type)]
         value = torch.zeros((), dtype=torch.float32, device=device)
         if norms:
             stacked = torch.stack([n.to(device) for n in norms])
@@ -92,5 +94,5 @@ def clip_grad_norm_(
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for buckets in groups.values():
         for (device, dtype), grads in buckets.items():
-            torch._foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
+            foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
     return total

@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from lightning_mixedfsdp._torch_compat import flatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -17,11 +19,28 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
 @dataclass(frozen=True)
 class ParallelMeshes:
     root: "DeviceMesh"
-    """The full mesh ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)``."""
+    """The full mesh: ``(data_parallel, tensor_parallel)`` (Lightning's), or for HSDP
+    ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)``."""
     fsdp: "DeviceMesh"
     """The mesh handed to ``fully_shard``: 1-D (shard) or, for HSDP, 2-D (replicate, shard)."""
     data_parallel: "DeviceMesh"
     """All data-parallel ranks flattened into one dim: the group replicated gradients are averaged over."""
+
+
+def meshes_of_2d(root: "DeviceMesh") -> ParallelMeshes:
+    """The meshes of Lightning's ``(data_parallel, tensor_parallel)`` mesh: params sharded over ``data_parallel``."""
+    data_parallel = root[DATA_PARALLEL]
+    return ParallelMeshes(root=root, fsdp=data_parallel, data_parallel=data_parallel)
+
+
+def check_mesh_product(replicate: int, shard: int, tensor_parallel: int, world_size: int, owner: str) -> None:
+    """Lightning's error type and words for sizes that do not multiply to the world size."""
+    if replicate * shard * tensor_parallel != world_size:
+        raise RuntimeError(
+            f"{owner}: the sizes `data_parallel_replicate_size={replicate}`, `data_parallel_size={shard}` and"
+            f" `tensor_parallel_size={tensor_parallel}` multiplied should equal the world size ({world_size});"
+            " change the sizes or the number of devices/nodes."
+        )
 
 
 def build_parallel_meshes(
@@ -32,14 +51,17 @@ def build_parallel_meshes(
     world_size: int,
     owner: str = "mixed_fsdp2",
 ) -> ParallelMeshes:
+    """HSDP: params sharded over ``data_parallel_shard`` and replicated over ``data_parallel_replicate``; replicated
+    params' grads reduced over both, flattened into ``data_parallel``. With ``replicate_size == 1`` the same as
+    Lightning's 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if replicate_size * shard_size * tensor_parallel_size != world_size:
-        raise ValueError(
-            f"{owner}: data_parallel_replicate_size={replicate_size} x data_parallel_size={shard_size}"
-            f" x tensor_parallel_size={tensor_parallel_size} must equal the world size ({world_size});"
-            " change the sizes or the number of devices/nodes."
+    check_mesh_product(replicate_size, shard_size, tensor_parallel_size, world_size, owner)
+    if replicate_size == 1:
+        root = init_device_mesh(
+            device_type, (shard_size, tensor_parallel_size), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
         )
+        return meshes_of_2d(root)
     root = init_device_mesh(
         device_type,
         (replicate_size, shard_size, tensor_parallel_size),
@@ -48,12 +70,3 @@ def build_parallel_meshes(
     data_parallel = flatten_mesh(root[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
     fsdp = root[DP_REPLICATE, DP_SHARD] if replicate_size > 1 else root[DP_SHARD]
     return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel)
-
-
-def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
-    """Flatten all dims of ``mesh`` into one named dim.
-
-    ``DeviceMesh._flatten`` is private; checked on torch 2.13.0, which has no public replacement. Keep the returned
-    object: slicing the flattened dim back out of the root mesh is deprecated.
-    """
-    return mesh._flatten(name)

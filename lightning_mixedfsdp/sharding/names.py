@@ -5,9 +5,14 @@ Activation checkpointing (``checkpoint_wrapper``) and ``torch.compile`` insert `
 so plans, reports, exports and checkpoints all speak of ``layers.0.attention.A_log``.
 """
 
-from typing import Dict, Iterator, Tuple
+import sys
+from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
 
-from torch import nn
+from torch import Tensor, nn
+from typing_extensions import TypeGuard
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
 
@@ -53,7 +58,27 @@ class ModuleIndex:
         return iter(self.inner.items())
 
 
-def named_tensors(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, object]]:
+def named_tensors(module: nn.Module, prefix: str = "") -> Iterator[Tuple[str, Tensor]]:
     """Canonical (qualified under ``prefix``) names of ``module``'s params, then its buffers."""
     for name, tensor in (*module.named_parameters(), *module.named_buffers()):
         yield canonical_name(f"{prefix}.{name}" if prefix else name), tensor
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def peft_base_name(name: str) -> Optional[str]:
+    """The base model's name for a tensor of a PEFT model (``base_model.model.x.base_layer.weight`` ->
+    ``x.weight``): what the base model's checkpoint and a merged export call it. None for adapter tensors
+    (``lora_*``), which no base model holds; names outside the PEFT prefix are returned unchanged."""
+    if not name.startswith(PEFT_PREFIX):
+        return name
+    if "lora_" in name:
+        return None
+    return name[len(PEFT_PREFIX) :].replace(".base_layer.", ".")
+
+
+def is_peft_model(module: nn.Module) -> "TypeGuard[PeftModel]":
+    """A peft ``PeftModel``; peft is imported only if the model's code already did."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)

@@ -21,6 +21,7 @@ from lightning_mixedfsdp.sharding.matching import (
     match_keep_fp32,
 )
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
+from lightning_mixedfsdp.sharding.report import collapse_indices, format_shape, format_table, short_dtype
 
 ROOT = ""
 BUILT, FROZEN, CAST = "as built", "frozen module", "cast_buffers"
@@ -134,11 +135,50 @@ class ShardPlan:
             "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
         }
 
+    @property
+    def outermost_units(self) -> Tuple[str, ...]:
+        """Units not nested in another unit, in the plan's order (children before parents: last block first)."""
+        return tuple(u for u in self.units if not any(u != o and is_within(u, o) for o in self.units))
+
     def report(self) -> str:
         """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
-        from lightning_mixedfsdp.sharding.report import format_report
-
-        return format_report(self)
+        param_rows = [
+            (
+                collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
+                format_shape(p.shape),
+                short_dtype(p.key.storage),
+                short_dtype(p.key.compute),
+                short_dtype(p.key.reduce),
+                "replicated" if p.replicated else "sharded",
+                collapse_indices(p.group),
+                p.rule or "-",
+            )
+            for p in self.params.values()
+        ]
+        header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
+        buffer_rows = [
+            (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.rule)
+            for b in self.buffers.values()
+        ]
+        total_bytes = sum(p.nbytes for p in self.params.values())
+        replicated_bytes = sum(self.params[p].nbytes for p in self.replicated_params)
+        bulk = self.bulk
+        summary = [
+            f"mixed_fsdp2 dtype plan: {len(self.params)} params ({total_bytes / 2**20:.2f} MiB),"
+            f" {len(self.sharded_groups)} sharded groups, {len(self.replicated_groups)} replicated groups"
+            f" ({replicated_bytes / 2**10:.1f} KiB replicated), {len(self.buffers)} floating buffers",
+            f"bulk: storage {short_dtype(bulk.storage) if bulk.storage else 'as loaded'},"
+            f" compute {short_dtype(bulk.compute) if bulk.compute else 'own dtype'},"
+            f" reduce {short_dtype(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
+            "collectives per step (predicted): "
+            + ", ".join(f"{k} {v}" for k, v in self.predicted_collectives().items()),
+        ]
+        lines = summary + [""] + format_table(header, param_rows)
+        if buffer_rows:
+            lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
+        if self.warnings:
+            lines += [""] + [f"warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.report()
@@ -451,8 +491,3 @@ def _numel(shape: Tuple[int, ...]) -> int:
     for size in shape:
         total *= size
     return total
-
-
-def short_dtype(dtype: Optional[torch.dtype]) -> str:
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
-    return names.get(dtype, str(dtype).replace("torch.", "")) if dtype is not None else "-"

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mixedfsdp._torch_compat import inside_backward, queue_after_backward, reset_fsdp_iter_state
 from lightning_mixedfsdp.sharding.tensors import tensors_in
 
 
@@ -40,16 +41,16 @@ class StepTracker:
             root.register_forward_hook(self._after_forward),
         ]
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _before_forward(self, *_: Any) -> None:
-        if (self._forward_running or self._backward_pending) and not _inside_backward():
+        if (self._forward_running or self._backward_pending) and not inside_backward():
             self._forward_running = self._backward_pending = False
             self.resets += 1
             for reset in self._reset_callbacks:
                 reset()
         self._forward_running = True
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         self._forward_running = False
         for tensor in tensors_in(output):
@@ -59,7 +60,7 @@ class StepTracker:
     def _on_backward_start(self, _grad: Tensor) -> None:
         if not self._backward_pending:
             self._backward_pending = True
-            _queue_after_backward(self._on_backward_end)
+            queue_after_backward(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         self._backward_pending = False
@@ -67,32 +68,7 @@ class StepTracker:
             callback()
 
 
-def _queue_after_backward(callback: Callable[[], None]) -> None:
-    # Private engine API, checked on torch 2.13.0; FSDP2 queues its own post-backward callback the same way.
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
 def reset_fsdp_step(root: nn.Module) -> None:
-    """FSDP's own recovery for ``root`` (a root FSDPModule), plus the grads it leaves behind.
-
-    ``FSDPModule.reset_iter_state`` (torch 2.13.0) reshards and drops in-flight reductions, but the grads a failed
-    backward already accumulated on the unsharded params stay there and would be added to the next step's. They are
-    dropped through private attributes (``FSDPParam._unsharded_param`` / ``unsharded_accumulated_grad``), checked on
-    torch 2.13.0; a param never all-gathered has no unsharded param yet.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    root.reset_iter_state()
-    for module in root.modules():
-        if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if unsharded is not None:
-                        unsharded.grad = None
-                    fsdp_param.unsharded_accumulated_grad = None
-
-
-def _inside_backward() -> bool:
-    # Private, checked on torch 2.13.0: -1 outside the autograd engine (a forward inside a backward is no failure).
-    return torch._C._current_graph_task_id() != -1
+    """FSDP's own recovery for ``root`` (a root FSDPModule), plus the grads the failed backward left on the unsharded
+    params, which would otherwise be added to the next step's."""
+    reset_fsdp_iter_state(root)

@@ -6,19 +6,21 @@ unmodified module forwards (HF modules included) see plain tensors, the way FSDP
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_mixedfsdp._torch_compat import gradient_divide_factor, own_parameters, replace_parameter
+from lightning_mixedfsdp.sharding.boundaries import install_group_boundaries
 from lightning_mixedfsdp.sharding.names import ModuleIndex
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
-from lightning_mixedfsdp.sharding.tensors import cast_floating
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -45,8 +47,7 @@ def replicate_params(
     for group in plan.replicated_groups:
         entries = [_to_replicate_dtensor(index, name, group, mesh, device) for name in group.params]
         handles.extend(_install_swap_hooks(index, group.unit, entries))
-        for module_name in group.modules:
-            handles.extend(install_cast_hooks(index.inner[module_name], group.key.compute, group.key.output))
+        handles.extend(install_group_boundaries(index, group))
         replicated.extend(entries)
     return replicated
 
@@ -61,20 +62,6 @@ def broadcast_from_first_rank(tensors: Sequence[Tensor], group: "ProcessGroup") 
         _unflatten_into(flat, bucket)
 
 
-def install_cast_hooks(
-    module: nn.Module, input_dtype: torch.dtype, output_dtype: Optional[torch.dtype]
-) -> List[RemovableHandle]:
-    """What FSDP's MixedPrecisionPolicy does at a group boundary, for modules that are not FSDP groups."""
-
-    def cast_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return cast_floating((args, kwargs), input_dtype)
-
-    handles = [module.register_forward_pre_hook(cast_inputs, with_kwargs=True)]
-    if output_dtype is not None:
-        handles.append(module.register_forward_hook(lambda _m, _a, output: cast_floating(output, output_dtype)))
-    return handles
-
-
 def _to_replicate_dtensor(
     index: ModuleIndex, name: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
 ) -> ReplicatedParam:
@@ -82,14 +69,14 @@ def _to_replicate_dtensor(
 
     owner_name, _, attribute = name.rpartition(".")
     owner = index.inner[owner_name]
-    param = owner._parameters[attribute]
+    param = own_parameters(owner)[attribute]
     # a meta param stays on meta: the strategy allocates and fills it after sharding
     local = param.detach().to(device=param.device if param.is_meta else device, dtype=group.key.storage)
     replica = nn.Parameter(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
         requires_grad=param.requires_grad,
     )
-    owner._parameters[attribute] = replica
+    replace_parameter(owner, attribute, replica)
     return ReplicatedParam(name, owner, attribute, replica, group.key.compute, group.key.reduce)
 
 
@@ -139,7 +126,7 @@ def _install_swap_hooks(index: ModuleIndex, unit: str, entries: List[ReplicatedP
 
 def _swap_in(entries: Sequence[ReplicatedParam]) -> None:
     for entry in entries:
-        view = entry.param.to_local()
+        view = as_dtensor(entry.param).to_local()
         # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
         view = view.to(entry.compute_dtype) if view.dtype != entry.compute_dtype else view
         # the instance attribute shadows `_parameters[...]`, so module code reads a plain tensor
@@ -205,9 +192,9 @@ class ReplicatedGradReducer:
 
         factor = self._divide_factor()
         for reduce_dtype, params in self._buckets.items():
-            grads = [p.grad.to_local() if p.grad is not None else None for p in params]
+            grads = [as_dtensor(p.grad).to_local() if p.grad is not None else None for p in params]
             missing = any(g is None for g in grads)
-            template = params[0].to_local()
+            template = as_dtensor(params[0]).to_local()
             flags = self._presence_flags(reduce_dtype, grads, template.device)
             values = [
                 g.to(reduce_dtype) if g is not None else template.new_zeros(p.shape, dtype=reduce_dtype)
@@ -243,17 +230,17 @@ class ReplicatedGradReducer:
 def _like(param: nn.Parameter, local: Tensor) -> Tensor:
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    replica = as_dtensor(param)
+    return DTensor.from_local(local, replica.device_mesh, replica.placements, run_check=False)
+
+
+def as_dtensor(tensor: Tensor) -> "DTensor":
+    """A replicated param (or its grad) as the DTensor it is: for the type checker, which sees ``nn.Parameter``."""
+    return cast("DTensor", tensor)
 
 
 def fsdp_gradient_divide_factor(module: nn.Module) -> Optional[float]:
-    """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own FSDP groups, if any.
-
-    Private: ``FSDPParamGroup.gradient_divide_factor``, checked on torch 2.13.0 (there is no public getter).
-    """
+    """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own FSDP groups, if any."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(module, FSDPModule):
-        return None
-    groups = module._get_fsdp_state()._fsdp_param_groups
-    return groups[0].gradient_divide_factor if groups else None
+    return gradient_divide_factor(module) if isinstance(module, FSDPModule) else None

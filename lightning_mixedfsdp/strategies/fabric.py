@@ -2,60 +2,54 @@
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Literal, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
-from lightning_mixedfsdp.strategies.mixin import (
-    ConfigInput,
-    MixedFSDP2Mixin,
-    ParallelizeFn,
-    ShardedModules,
-    no_parallelize,
-)
+from lightning_mixedfsdp.sharding.pipeline import ParallelizeFn, ShardedModels
+from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin
 
 
 class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     """FSDP2 for models whose params mix dtypes: keep-fp32 params stay fp32, no hand-written ``fully_shard``.
 
-    Arguments:
+    Arguments are Lightning's ``ModelParallelStrategy``'s, in its order, plus:
         config: A :class:`~lightning_mixedfsdp.MixedFSDPConfig` (or a mapping of its fields). Keyword ``fields``
             override it, e.g. ``MixedFSDP2Strategy(keep_fp32_params=[r"A_log$"])``.
-        parallelize_fn: Optional ``fn(model, device_mesh) -> model`` (e.g. tensor parallelism) run before the
-            dtype-grouped FSDP on the data-parallel mesh. If it shards with FSDP itself, no plan is applied.
-        data_parallel_size: Ranks a param is sharded over. ``"auto"``: world size / (replicate x tensor parallel),
-            i.e. pure data parallelism over all ranks by default.
         data_parallel_replicate_size: HSDP: replicas of the sharded model (e.g. one per node). 1 means plain FSDP.
-        tensor_parallel_size: Size of the ``"tensor_parallel"`` mesh dim handed to ``parallelize_fn``.
-    """
 
-    _lightning_strategy = ModelParallelStrategy
+    ``parallelize_fn(model, device_mesh)`` is optional (e.g. tensor parallelism), run before the dtype-grouped FSDP
+    on the data-parallel mesh; if it shards with FSDP itself, no plan is applied. ``data_parallel_size="auto"`` takes
+    every rank tensor parallelism and replication leave; ``tensor_parallel_size`` defaults to 1 (Lightning's
+    ``"auto"``, the devices of a node, is accepted too).
+    """
 
     def __init__(
         self,
-        config: ConfigInput = None,
-        *,
         parallelize_fn: Optional[ParallelizeFn] = None,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        data_parallel_replicate_size: int = 1,
-        tensor_parallel_size: int = 1,
+        data_parallel_size: MeshSize = "auto",
+        tensor_parallel_size: MeshSize = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        *,
+        config: ConfigInput = None,
+        data_parallel_replicate_size: int = 1,
         **fields: Any,
     ) -> None:
         self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
         super().__init__(
-            parallelize_fn=parallelize_fn or no_parallelize,
+            parallelize_fn=parallelize_fn,  # type: ignore[arg-type]
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -64,7 +58,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         )
         self._backward_sync_control = _MixedBackwardSyncControl(self._sharded)
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision(self) -> MixedFSDPPrecision:
         return self._plugin_or_default(self._precision, MixedFSDPPrecision)
@@ -78,14 +72,12 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self._sharded.shard(
-            module, self._config, self.precision.bulk, self.meshes, self.root_device, self._parallelize_fn
-        )
+        return self._shard(module, self.precision, self._parallelize_fn)
 
     @override
     def save_checkpoint(
         self,
-        path: Any,
+        path: PathLike,
         state: Dict[str, Any],
         storage_options: Optional[Any] = None,
         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
@@ -93,11 +85,13 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         """Lightning's save (a DCP folder, or one file with ``save_distributed_checkpoint=False``), written beside
         ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact."""
         write = super().save_checkpoint
-        self._save_atomically(path, lambda temp: write(temp, state, storage_options=storage_options, filter=filter))
+        if storage_options is not None:  # Lightning's own refusal, before anything is written
+            write(path, state, storage_options=storage_options)
+        self._save_atomically(path, lambda temp: write(temp, state, storage_options=None, filter=filter))
 
     @override
     def load_checkpoint(
-        self, path: Any, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
+        self, path: PathLike, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
         return super().load_checkpoint(self._recovered(path), state=state, strict=strict, weights_only=weights_only)
 
@@ -114,8 +108,8 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
 
-class _MixedBackwardSyncControl(_BackwardSyncControl):
-    def __init__(self, sharded: ShardedModules) -> None:
+class _MixedBackwardSyncControl(BackwardSyncControl):
+    def __init__(self, sharded: ShardedModels) -> None:
         self._sharded = sharded
 
     @override

@@ -2,20 +2,21 @@
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Generator, Literal, Optional, Union
+from typing import Any, Dict, Generator, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
-from torch import nn
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mixedfsdp.checkpoint.atomic import remove_path
+from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, no_parallelize
+from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
@@ -30,26 +31,25 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     """FSDP2 for LightningModules whose params mix dtypes; no ``configure_model`` that shards by hand is needed.
 
     Every child module of the LightningModule that holds params is sharded by the dtype plan. A ``configure_model``
-    that only builds layers (on the meta device with ``empty_init``) or applies tensor parallelism still works; one
-    that calls ``fully_shard`` itself takes over and no plan is applied to that child. With
-    ``accumulate_grad_batches=N``, FSDP groups and replicated params sync once per optimizer step.
+    that builds layers (on the meta device under ``init_module(empty_init=True)``), applies tensor parallelism or
+    activation checkpointing still works; one that calls ``fully_shard`` itself takes over and no plan is applied to
+    that child. With ``accumulate_grad_batches=N``, FSDP groups and replicated params sync once per optimizer step.
 
-    Arguments are those of :class:`lightning_mixedfsdp.fabric.MixedFSDP2Strategy`, without ``parallelize_fn``
-    (use ``configure_model``).
+    Arguments are Lightning's ``ModelParallelStrategy``'s, in its order, plus ``config``,
+    ``data_parallel_replicate_size`` and the config's fields, as for
+    :class:`lightning_mixedfsdp.fabric.MixedFSDP2Strategy`.
     """
-
-    _lightning_strategy = ModelParallelStrategy
 
     def __init__(
         self,
-        config: ConfigInput = None,
-        *,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        data_parallel_replicate_size: int = 1,
-        tensor_parallel_size: int = 1,
+        data_parallel_size: MeshSize = "auto",
+        tensor_parallel_size: MeshSize = 1,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        *,
+        config: ConfigInput = None,
+        data_parallel_replicate_size: int = 1,
         **fields: Any,
     ) -> None:
         self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
@@ -61,7 +61,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             timeout=timeout,
         )
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> MixedFSDPTrainerPrecision:
         return self._plugin_or_default(self._precision_plugin, MixedFSDPTrainerPrecision)
@@ -75,25 +75,32 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        # users reach the mesh in `LightningModule.configure_model()` as with Lightning's own strategy
+        # users reach the mesh in `LightningModule.configure_model()`; HSDP replaced Lightning's 2-D mesh
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self.meshes.root
+        set_module_device_mesh(self.lightning_module, self.meshes.root)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        # Lightning's generic flow (accelerator, convert_module, model_to_device, `_setup_model`, optimizers);
-        # ModelParallelStrategy.setup adds a required `configure_model`, which the dtype plan makes unnecessary
-        Strategy.setup(self, trainer)
+        """``ModelParallelStrategy.setup``'s sequence, except that ``configure_model`` is optional (the dtype plan
+        shards the children) and a meta model is initialised by the pipeline, one chunk at a time, instead of by
+        ``reset_parameters`` on every rank's full copy."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def model_to_device(self) -> None:
-        # runs before `_setup_model`: fully_shard moves each shard itself, so no rank holds the unsharded model on
-        # the device; `_setup_model` moves what sharding leaves behind
-        pass
-
-    @override
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        """Shard every child that holds params, then move the rest (metrics, buffers of param-less children)."""
+        """Shard every child that holds params (``fully_shard`` moves each shard to the device itself, so no rank
+        holds the unsharded model on it), then move the rest (metrics, buffers of param-less children)."""
+        model = self.model
+        assert model is not None
         own = [name for name, _ in model.named_parameters(recurse=False)]
         if own:
             raise TypeError(
@@ -102,13 +109,8 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             )
         for name, child in model.named_children():
             if any(True for _ in child.parameters()):
-                sharded = self._sharded.shard(
-                    child, self._config, self.precision_plugin.bulk, self.meshes, self.root_device, no_parallelize
-                )
-                setattr(model, name, sharded)
+                setattr(model, name, self._shard(child, self.precision_plugin, None))
         model.to(self.root_device)
-        self.barrier()
-        return model
 
     @contextmanager
     @override
@@ -119,15 +121,19 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             yield
 
     @override
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: Dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
+    ) -> None:
         write = super().save_checkpoint
-        self._save_atomically(filepath, lambda temp: write(checkpoint, temp, storage_options=storage_options))
+        if storage_options is not None:  # Lightning's own refusal, before anything is written
+            write(checkpoint, filepath, storage_options=storage_options)
+        self._save_atomically(filepath, lambda temp: write(checkpoint, temp))
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         return super().load_checkpoint(self._recovered(checkpoint_path), weights_only=weights_only)
 
     @override
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         if self.is_global_zero:
             remove_path(filepath)

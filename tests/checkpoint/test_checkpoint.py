@@ -77,7 +77,6 @@ def _train_save_resume_export(rank: int, world_size: int, folder: str) -> Dict[s
                 model,
                 Path(folder) / "export-sharded",
                 dtype=torch.bfloat16,
-                keep_fp32_patterns=A_LOG,
                 max_shard_bytes=20_000,
             )
             out["exported_from"] = full_params(model)
@@ -170,7 +169,7 @@ def test_export_keeps_the_plans_fp32_params_fp32_and_the_rest_in_the_save_dtype(
         assert value.dtype == exported[name].dtype and torch.equal(value, exported[name]), name
 
 
-def test_export_with_patterns_and_a_shard_limit_writes_an_index(two_ranks: list, folder: Path) -> None:
+def test_export_with_a_shard_limit_writes_an_index_and_keeps_the_plans_fp32_set(two_ranks: list, folder: Path) -> None:
     import json
 
     from lightning_mixedfsdp.checkpoint.load import read_state_dict
@@ -182,7 +181,8 @@ def test_export_with_patterns_and_a_shard_limit_writes_an_index(two_ranks: list,
     state = read_state_dict(directory)
     assert set(state) == set(index["weight_map"])
     assert state["layers.0.attention.A_log"].dtype == torch.float32
-    assert state["layers.0.attention_norm.weight"].dtype == torch.bfloat16  # patterns replace the plan's set
+    assert state["layers.0.attention_norm.weight"].dtype == torch.float32  # the plan's keep-fp32 set
+    assert state["layers.0.feed_forward.w1.weight"].dtype == torch.bfloat16
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
 
 

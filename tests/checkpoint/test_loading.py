@@ -1,4 +1,5 @@
-"""Dtype-aware loading in one process, from torch files and safetensors."""
+"""Dtype-aware loading in one process, from torch files and safetensors: every tensor in the dtype its plan gives it,
+with the requested dtype as the bulk."""
 
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def test_bf16_request_keeps_a_checkpoint_fp32_pinned_param_fp32(tmp_path: Path, 
     assert a_log.dtype == torch.float32
     assert torch.equal(a_log, read_state_dict(path)["layers.0.attention.A_log"])
     assert model.layers[0].attention.dt_bias.dtype == torch.bfloat16
-    # pinned by the RMSNorm rule but bf16 in the file: promote(bf16, bf16) = bf16; setup stores it fp32 later
-    assert model.layers[0].attention_norm.weight.dtype == torch.bfloat16
+    # pinned by the RMSNorm rule and bf16 in the file: the plan keeps it fp32, holding the file's values exactly
+    norm = model.layers[0].attention_norm.weight
+    assert norm.dtype == torch.float32
+    assert torch.equal(norm, read_state_dict(path)["layers.0.attention_norm.weight"].float())
     assert a_log.requires_grad
 
 
@@ -42,9 +45,12 @@ def test_fp32_request_gives_fp32_everywhere(tmp_path: Path, fmt: str) -> None:
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_pinned_param_stored_bf16_in_the_checkpoint_is_not_invented_precision(tmp_path: Path) -> None:
-    model = load_weights(TinyLlama(CONFIG), _checkpoint(tmp_path, "pt", torch.bfloat16), torch.bfloat16, PINNED)
-    assert model.layers[0].attention.A_log.dtype == torch.bfloat16
+def test_pinned_param_stored_bf16_in_the_checkpoint_is_widened_exactly(tmp_path: Path) -> None:
+    path = _checkpoint(tmp_path, "pt", torch.bfloat16)
+    model = load_weights(TinyLlama(CONFIG), path, torch.bfloat16, PINNED)
+    a_log = model.layers[0].attention.A_log
+    assert a_log.dtype == torch.float32
+    assert torch.equal(a_log, read_state_dict(path)["layers.0.attention.A_log"].float())
 
 
 def test_loading_into_a_meta_model_assigns_real_tensors(tmp_path: Path) -> None:

@@ -135,8 +135,8 @@ def _reference(model_type: str, **overrides: Any) -> Dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-    from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
     from lightning_mixedfsdp.sharding.apply import apply_dtypes
+    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
@@ -206,7 +206,7 @@ def test_lora_adapters_on_meta_get_peft_init_so_the_untrained_adapter_changes_no
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lightning_mixedfsdp.checkpoint.meta import init_meta_module_
+    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(tiny_config("llama"))

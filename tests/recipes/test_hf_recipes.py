@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipes.schema import RecipeError, load_recipe
+from lightning_mixedfsdp.recipes.loader import load_recipe
+from lightning_mixedfsdp.recipes.schema import RecipeError
 from tests.hf_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

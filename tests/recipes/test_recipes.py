@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, load_recipe
+from lightning_mixedfsdp.recipes.loader import load_recipe
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "conf").glob("*.yaml"))
@@ -48,7 +49,7 @@ def test_every_problem_is_listed_together(tmp_path: Path) -> None:
     assert "unknown key 'trainr'; did you mean 'trainer'?" in message
     assert "data.batch_size='many'" in message
     assert "override 'nonsense' is not key=value" in message
-    assert "strategy.storage='fp64' is not supported" in message
+    assert "strategy.storage='fp64': Invalid value 'fp64', expected one of ['auto', 'keep', 'bf16', 'fp32']" in message
     assert "model.dim=130 is not divisible by model.n_heads=4" in message
 
 

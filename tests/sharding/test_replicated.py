@@ -243,7 +243,7 @@ def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing
 
 
 def _install_expert_casts(model: torch.nn.Module) -> None:
-    from lightning_mixedfsdp.sharding.replicate import install_cast_hooks
+    from lightning_mixedfsdp.sharding.boundaries import install_cast_hooks
 
     for expert in model.layers[0].experts:
         install_cast_hooks(expert, torch.float32, torch.bfloat16)

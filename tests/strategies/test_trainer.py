@@ -194,7 +194,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {
         **composed,
         "accumulated": _fit(samples=16, batch_size=2, max_steps=1, accumulate=4, build_in_configure_model=True),
-        "single": _fit(samples=16, batch_size=8, max_steps=1),
+        "single": _fit(samples=16, batch_size=8, max_steps=1, build_in_configure_model=True),
         "uninterrupted": uninterrupted,
         "resumed": resumed,
         "checkpoints": [p.name for p in first_epoch],

@@ -1,8 +1,11 @@
 """Models built on the meta device: each module initialised by the model's own init, streamed into the shards.
 
-Rank 0 walks an unsharded meta template in the order a single process initialises it, materialises one chunk at a
-time on its CPU (a wrap unit, or one module outside the units), initialises it, and streams it into every rank's
-shards (``checkpoint/stream.py``) before freeing it. The values equal a single-process :func:`init_meta_module_` with
+After sharding, rank 0 walks the model in the order a single process initialises it, one chunk at a time (a wrap
+unit, or one module outside the units): it swaps full-size CPU tensors into the chunk's modules (in the dtypes the
+model was built with, since random draws depend on the dtype), runs their init, streams the values into every
+rank's shards (``sharding/stream.py``) and swaps the shards back. No copy of the model is made, so this works
+whoever sharded it: our plan, a ``parallelize_fn`` that calls ``fully_shard`` or applies tensor parallelism, or a
+Trainer ``configure_model``. The values equal a single-process :func:`init_meta_module_` with
 the same seed, on CPU and on CUDA alike (DTensor's own RNG would give each shard other values than one process).
 
 - Hugging Face models are initialised by HF itself: ``PreTrainedModel._initialize_weights`` per module, in the order
@@ -13,19 +16,42 @@ the same seed, on CPU and on CUDA alike (DTensor's own RNG would give each shard
   its module and says what to add. Non-persistent buffers travel with their chunk: they are never left empty.
 """
 
-import copy
 import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Generator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import TypeGuard
 
-from lightning_mixedfsdp.checkpoint.stream import stream_into
+from lightning_mixedfsdp._torch_compat import (
+    non_persistent_buffer_names,
+    own_buffers,
+    own_parameters,
+    replace_buffer,
+    replace_parameter,
+)
 from lightning_mixedfsdp.sharding.matching import is_within
-from lightning_mixedfsdp.sharding.names import canonical_name, user_class_name
+from lightning_mixedfsdp.sharding.names import canonical_name, named_tensors, user_class, user_class_name
+from lightning_mixedfsdp.sharding.stream import stream_into
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Init = Optional[Callable[[nn.Module], None]]
 InitStep = Tuple[str, nn.Module, Init]
@@ -35,9 +61,9 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def meta_template(module: nn.Module) -> nn.Module:
-    """An unsharded copy of a meta module (cheap: meta tensors hold no data)."""
-    return copy.deepcopy(module)
+def built_dtypes(module: nn.Module) -> Dict[str, torch.dtype]:
+    """Every param's and buffer's dtype as the model was built, by canonical name: the dtypes its init runs in."""
+    return {name: tensor.dtype for name, tensor in named_tensors(module)}
 
 
 def init_order(model: nn.Module) -> List[InitStep]:
@@ -49,19 +75,25 @@ def init_order(model: nn.Module) -> List[InitStep]:
 
 def _walk(module: nn.Module, prefix: str, steps: List[InitStep]) -> None:
     if _is_hf(module):
-        _walk_hf(module, prefix, module, module.is_custom_code(), steps)
+        # asked of the model's own class: FSDP's dynamic `FSDP<Name>` subclass lives in torch, and HF would take it
+        # for custom code and skip the init of every module without params of its own
+        _walk_hf(module, prefix, module, user_class(module).is_custom_code(), steps)  # type: ignore[attr-defined]
         return
-    reset = (lambda m: m.reset_parameters()) if callable(getattr(module, "reset_parameters", None)) else None
+    reset_parameters = getattr(module, "reset_parameters", None)
+    reset: Init = (lambda _: reset_parameters()) if callable(reset_parameters) else None
     steps.append((prefix, module, _adapter_init(module) or reset))
     for name, child in module.named_children():
-        _walk(child, _join(prefix, name), steps)
+        _walk(child, canonical_name(_join(prefix, name)), steps)
 
 
-def _walk_hf(module: nn.Module, prefix: str, owner: nn.Module, is_custom_code: bool, steps: List[InitStep]) -> None:
+def _walk_hf(
+    module: nn.Module, prefix: str, owner: "PreTrainedModel", is_custom_code: bool, steps: List[InitStep]
+) -> None:
     """``PreTrainedModel.initialize_weights``' order (transformers 5: ``smart_apply``): children first, each module by
     its innermost PreTrainedModel's ``_initialize_weights``."""
     for name, child in module.named_children():
-        _walk_hf(child, _join(prefix, name), child if _is_hf(child) else owner, is_custom_code, steps)
+        child_prefix = canonical_name(_join(prefix, name))
+        _walk_hf(child, child_prefix, child if _is_hf(child) else owner, is_custom_code, steps)
     initialize = owner._initialize_weights
     steps.append((prefix, module, _adapter_init(module) or (lambda m: initialize(m, is_custom_code))))
 
@@ -69,9 +101,15 @@ def _walk_hf(module: nn.Module, prefix: str, owner: nn.Module, is_custom_code: b
 def _adapter_init(module: nn.Module) -> Init:
     """peft's own init for a LoRA layer (A as nn.Linear's default, B zero), after its children got theirs: an
     untrained adapter leaves the base model's output unchanged."""
-    if not callable(getattr(module, "reset_lora_parameters", None)):
+    reset = getattr(module, "reset_lora_parameters", None)
+    if not callable(reset):
         return None
-    return lambda layer: [layer.reset_lora_parameters(adapter, True) for adapter in layer.lora_A]
+
+    def init(layer: nn.Module) -> None:
+        for adapter in cast(nn.ModuleDict, layer.lora_A):  # adapter names
+            reset(adapter, True)
+
+    return init
 
 
 def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
@@ -94,23 +132,32 @@ def init_meta_module_(module: nn.Module, device: Union[str, torch.device] = "cpu
 
 def materialize_sharded(
     sharded: nn.Module,
-    template: Optional[nn.Module],
     units: Sequence[str],
     device: torch.device,
     initialise: bool,
+    dtypes: Optional[Dict[str, torch.dtype]] = None,
 ) -> None:
-    """Allocate the local shards of a model sharded on meta and fill them from rank 0's template, chunk by chunk.
+    """Allocate the local shards of a model sharded on meta and fill them, chunk by chunk, from rank 0.
 
-    With ``initialise`` every param and buffer is initialised; without it (a load follows) only the non-persistent
-    buffers, which no checkpoint holds. Rank 0 passes the unsharded meta ``template``; the others pass None.
+    With ``initialise`` every param and buffer is initialised by the model's own init, in ``dtypes`` (the dtypes the
+    model was built with; default: as it is now); without it (a load follows) only the non-persistent buffers, which
+    no checkpoint holds. Every rank calls it.
     """
     import torch.distributed as dist
 
     sharded.to_empty(device=device)
-    chunks = _plan_chunks(template, units, initialise) if template is not None else []
+    rank_zero = dist.get_rank() == 0
+    chunks = _plan_chunks(sharded, units, initialise) if rank_zero else []
     names = [[chunk.names for chunk in chunks]]
     dist.broadcast_object_list(names, src=0)
-    stream_into(sharded, names[0], _produce(template, chunks) if template is not None else None)
+    produce: Optional[Generator[Tuple[Optional[str], Dict[str, Tensor]], None, None]] = None
+    if rank_zero:
+        produce = _produce(sharded, chunks, dtypes or {})
+    try:
+        stream_into(sharded, names[0], produce)
+    finally:
+        if produce is not None:
+            produce.close()  # puts the last chunk's shards back
 
 
 @dataclass
@@ -121,19 +168,18 @@ class _Chunk:
     names: List[str] = field(default_factory=list)
 
 
-def _plan_chunks(template: nn.Module, units: Sequence[str], initialise: bool) -> List[_Chunk]:
+def _plan_chunks(model: nn.Module, outermost_units: Sequence[str], initialise: bool) -> List[_Chunk]:
     """One chunk per outermost wrap unit (its modules are consecutive in the init order) and one per module outside
     the units; without ``initialise``, one per module holding non-persistent buffers, carrying only those."""
-    outermost = [u for u in units if not any(u != o and is_within(u, o) for o in units)]
     chunks: List[_Chunk] = []
     current: Any = object()
-    for name, module, init in init_order(template):
+    for name, module, init in init_order(model):
         if initialise:
-            key: Any = next((u for u in outermost if is_within(name, u)), ("module", name))
+            key: Any = next((u for u in outermost_units if is_within(name, u)), ("module", name))
             travelling = [_join(name, n) for n, _ in _own_tensors(module)]
         else:
             key = ("module", name)
-            travelling = [_join(name, n) for n in sorted(module._non_persistent_buffers_set)]
+            travelling = [_join(name, n) for n in sorted(non_persistent_buffer_names(module))]
             if not travelling:
                 continue
         if key != current:
@@ -144,38 +190,72 @@ def _plan_chunks(template: nn.Module, units: Sequence[str], initialise: bool) ->
     return chunks
 
 
-def _produce(template: nn.Module, chunks: List[_Chunk]) -> Iterator[Tuple[Optional[str], Dict[str, Tensor]]]:
-    """Rank 0: materialise, initialise, check and hand over one chunk at a time, then free it."""
-    hf = _is_hf_anywhere(template)
-    with _init_context(template), torch.no_grad():
+def _produce(
+    model: nn.Module, chunks: List[_Chunk], dtypes: Dict[str, torch.dtype]
+) -> Generator[Tuple[Optional[str], Dict[str, Tensor]], None, None]:
+    """Rank 0: swap full tensors into one chunk at a time, initialise, check and hand them over, swap the shards
+    back. An init that raises becomes the chunk's error, which reaches every rank (none waits on a collective)."""
+    hf = _is_hf_anywhere(model)
+    with _init_context(model), torch.no_grad():
         for chunk in chunks:
-            for _, module, _init in chunk.steps:
-                _materialise(module, torch.device("cpu"))
-                _fill_sentinels(module)
-            for _, module, init in chunk.steps:
-                if init is not None:
-                    init(module)
-            own = [(name, module, _own_tensors(module)) for name, module, _ in chunk.steps]
-            tensors = {canonical_name(_join(name, n)): t for name, _, owned in own for n, t in owned}
-            yield _uninitialised(own, hf, wanted=set(chunk.names)), tensors
-            for _, module, _init in chunk.steps:
-                _materialise(module, torch.device("meta"))
+            swapped = [_swap_in_full(module, name, dtypes) for name, module, _ in chunk.steps]
+            try:
+                error: Optional[str] = None
+                try:
+                    for name, module, init in chunk.steps:  # noqa: B007 - `name` names the module that raised
+                        if init is not None:
+                            init(module)
+                except Exception as raised:  # noqa: BLE001 - reported on every rank, with the module that raised
+                    error = f"mixed_fsdp2 meta init: initialising {name or '<root>'} raised {raised!r}"
+                own = [(name, module, _own_tensors(module)) for name, module, _ in chunk.steps]
+                tensors = {canonical_name(_join(name, n)): t for name, _, owned in own for n, t in owned}
+                yield error or _uninitialised(own, hf, wanted=set(chunk.names)), tensors
+            finally:
+                for restore in swapped:
+                    restore()
 
 
-def _materialise(module: nn.Module, device: torch.device) -> None:
-    """``to_empty`` for the module's own params and buffers only (children stay as they are)."""
-    for name, param in module._parameters.items():
+def _swap_in_full(module: nn.Module, prefix: str, dtypes: Dict[str, torch.dtype]) -> Callable[[], None]:
+    """Replace ``module``'s own params and buffers (shards, or meta tensors) with full-size CPU tensors filled with a
+    sentinel, in their built dtypes; return what puts the originals back."""
+    params, buffers = own_parameters(module), own_buffers(module)
+    flag = module.__dict__.get("_is_hf_initialized", _ABSENT)
+    for name, param in params.items():
         if param is not None:
-            empty = torch.empty_like(param, device=device)
-            module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
-    for name, buffer in module._buffers.items():
+            full = _full_like(param, dtypes.get(_join(prefix, name), param.dtype))
+            replace_parameter(module, name, nn.Parameter(full, requires_grad=param.requires_grad))
+    for name, buffer in buffers.items():
         if buffer is not None:
-            module._buffers[name] = torch.empty_like(buffer, device=device)
+            replace_buffer(module, name, _full_like(buffer, dtypes.get(_join(prefix, name), buffer.dtype)))
+
+    def restore() -> None:
+        for name, param in params.items():
+            replace_parameter(module, name, param)
+        for name, buffer in buffers.items():
+            replace_buffer(module, name, buffer)
+        # HF marks each module it initialised; the shards hold what rank 0 computed, so its own init may run again
+        if flag is _ABSENT:
+            module.__dict__.pop("_is_hf_initialized", None)
+        else:
+            module.__dict__["_is_hf_initialized"] = flag
+
+    return restore
+
+
+def _full_like(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """A CPU tensor of ``tensor``'s full (global) shape, filled with the sentinel of ``dtype``."""
+    full = torch.empty(tuple(tensor.shape), dtype=dtype, device="cpu")
+    sentinel = _sentinel(dtype)
+    if sentinel is not None:
+        full.fill_(sentinel)
+    return full
+
+
+_ABSENT = object()
 
 
 def _own_tensors(module: nn.Module) -> List[Tuple[str, Tensor]]:
-    params = [(n, p) for n, p in module._parameters.items() if p is not None]
-    return params + [(n, b) for n, b in module._buffers.items() if b is not None]
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
 
 
 def _fill_sentinels(module: nn.Module) -> None:
@@ -233,7 +313,7 @@ def _init_context(module: nn.Module) -> ContextManager:
     return initialization.guard_torch_init_functions()
 
 
-def _is_hf(module: nn.Module) -> bool:
+def _is_hf(module: nn.Module) -> "TypeGuard[PreTrainedModel]":
     # a model built from transformers has imported it: no import (seconds) for other models
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)

@@ -1,0 +1,179 @@
+"""Every private torch API the library uses, each behind one small function.
+
+Each access notes the torch versions it was checked on. Where versions differ, the branch is chosen by feature
+(``hasattr``), not by version number, so a release that back-ports a change takes the right path. The test suite runs
+on every version in ``pyproject.toml``'s range (2.11 to 2.14); ``tests/test_torch_compat.py`` exercises each
+function on the installed version.
+"""
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+# ---- FSDP2 internals ------------------------------------------------------------------------------------------------
+
+
+def fsdp_param_groups(module: nn.Module) -> List[Any]:
+    """The ``FSDPParamGroup``s of one ``FSDPModule`` (the module's own group; list-form ``fully_shard`` shares one).
+
+    ``FSDPModule._get_fsdp_state()`` and the state's param groups are private. torch 2.11 and 2.12 hold one group or
+    None in ``_fsdp_param_group``; 2.13 and 2.14 hold a list in ``_fsdp_param_groups``.
+    """
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def gradient_divide_factor(module: nn.Module) -> Optional[float]:
+    """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own groups, if any.
+
+    Private ``FSDPParamGroup.gradient_divide_factor`` (no public getter), checked on torch 2.11 to 2.14.
+    """
+    groups = fsdp_param_groups(module)
+    return groups[0].gradient_divide_factor if groups else None
+
+
+def reset_fsdp_iter_state(root: nn.Module) -> None:
+    """Recover FSDP2's state after a forward or backward that raised, then drop the grads the failed backward left.
+
+    ``FSDPModule.reset_iter_state`` is public from torch 2.13; on 2.11 and 2.12 the same reset is done here on the
+    private state it touches (``FSDPState._training_state``, ``FSDPParamGroup.reset_iter_state``? no: those versions
+    have no such method, so each group is resharded and its in-flight state cleared through the attributes
+    2.13's implementation clears). The unsharded grads of a partial backward (``FSDPParam._unsharded_param.grad``,
+    ``unsharded_accumulated_grad``) survive even 2.13's reset and are dropped on every version.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        reset()
+    else:
+        _reset_iter_state_before_2_13(root)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+
+
+def _reset_iter_state_before_2_13(root: nn.Module) -> None:
+    """What 2.13's ``FSDPModule.reset_iter_state`` does, on 2.11/2.12's private state (checked on 2.11.0, 2.12.1)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        state._training_state = TrainingState.IDLE
+        for group in fsdp_param_groups(module):
+            group._training_state = TrainingState.IDLE
+            group.reshard()
+            group._all_gather_result = None
+            group._post_reduce_event = None
+            group._partial_reduce_output = None
+            group._reshard_after_forward_event = None
+        comm_ctx = getattr(state, "_comm_ctx", None)
+        if comm_ctx is not None:
+            comm_ctx.reduce_scatter_state = None
+            comm_ctx.all_reduce_state = None
+            comm_ctx.post_forward_order.clear()
+        state_ctx = getattr(state, "_state_ctx", None)
+        if state_ctx is not None:
+            state_ctx.iter_forward_root = None
+            state_ctx.post_backward_final_callback_queued = False
+
+
+# ---- device meshes --------------------------------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
+    """All dims of ``mesh`` flattened into one named dim. ``DeviceMesh._flatten`` is private and has no public
+    replacement on torch 2.11 to 2.14. Keep the returned object: slicing the flattened dim back out of the root mesh
+    is deprecated."""
+    if mesh.ndim == 1:
+        return mesh
+    return mesh._flatten(name)
+
+
+# ---- autograd engine ------------------------------------------------------------------------------------------------
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward finishes. ``Variable._execution_engine.queue_callback`` is private,
+    checked on torch 2.11 to 2.14; FSDP2 queues its own post-backward callback the same way."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_backward() -> bool:
+    """Whether the autograd engine is running (a forward inside a backward, e.g. an activation-checkpoint
+    recompute). ``torch._C._current_graph_task_id`` is private, checked on torch 2.11 to 2.14: -1 outside."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---- activation checkpointing ---------------------------------------------------------------------------------------
+
+
+def checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """torch's non-reentrant ``checkpoint_wrapper``; its module path (``torch.distributed.algorithms._checkpoint``)
+    is private, checked on torch 2.11 to 2.14. torchtitan imports it from the same place."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module)
+
+
+# ---- foreach kernels ------------------------------------------------------------------------------------------------
+
+
+def foreach_norm(tensors: Sequence[Tensor], norm_type: float) -> Sequence[Tensor]:
+    """Per-tensor norms in fp32, one kernel per call. ``torch._foreach_norm`` is private (``clip_grad_norm_`` uses
+    it), checked on torch 2.11 to 2.14."""
+    return torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32)
+
+
+def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
+    """In-place multiply of every tensor by a 0-dim tensor, one kernel. ``torch._foreach_mul_`` is private,
+    checked on torch 2.11 to 2.14."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+# ---- module internals -----------------------------------------------------------------------------------------------
+
+
+def replace_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    """Set ``module``'s own param ``name`` without ``nn.Module.__setattr__``'s checks (which refuse a plain tensor
+    where a param was, and would route through a class property). ``Module._parameters`` is private, stable on
+    torch 2.11 to 2.14; FSDP2 writes it the same way."""
+    module._parameters[name] = param
+
+
+def replace_buffer(module: nn.Module, name: str, buffer: Optional[Tensor]) -> None:
+    """Set ``module``'s own buffer ``name``, keeping its persistence. ``Module._buffers`` is private, stable on
+    torch 2.11 to 2.14."""
+    module._buffers[name] = buffer
+
+
+def own_parameters(module: nn.Module) -> dict:
+    """``module``'s own params by attribute name, ``None`` entries included (``Module._parameters``; read-only)."""
+    return dict(module._parameters)
+
+
+def own_buffers(module: nn.Module) -> dict:
+    """``module``'s own buffers by attribute name, ``None`` entries included (``Module._buffers``; read-only)."""
+    return dict(module._buffers)
+
+
+def non_persistent_buffer_names(module: nn.Module) -> frozenset:
+    """Names of ``module``'s own buffers that no state dict holds (``Module._non_persistent_buffers_set``, private,
+    stable on torch 2.11 to 2.14)."""
+    return frozenset(module._non_persistent_buffers_set)

@@ -1,0 +1,159 @@
+"""The pipeline: one torch-only entry that turns a model into a sharded, initialised, hooked one.
+
+``shard_model`` runs, in order: plan (pure) -> apply (casts, the user's ``parallelize_fn``, AC, compile, FSDP,
+replicated params and their hooks) -> materialise (a meta model initialised by its own init, or the non-persistent
+buffers rebuilt for a load that follows) -> replicas made identical on every data-parallel rank -> the optional
+dtype-leak check. It imports nothing from Lightning: the strategies, the recipes and the benchmarks all call it.
+"""
+
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
+from weakref import WeakKeyDictionary, WeakSet
+
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
+from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
+from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
+from lightning_mixedfsdp.sharding.matching import is_within
+from lightning_mixedfsdp.sharding.materialize import built_dtypes, has_meta_tensors, materialize_sharded
+from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+from lightning_mixedfsdp.sharding.names import canonical_name, unwrap_model, user_class_name
+from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_validated
+
+TModel = TypeVar("TModel", bound=nn.Module)
+ParallelizeFn = Callable[[TModel, Any], TModel]
+"""``fn(model, device_mesh) -> model``: the user's tensor parallelism or wrappers, run on the full mesh."""
+
+# every module set up by any mixed_fsdp2 strategy: its params are sharded and hooked, a second setup cannot work
+_SET_UP: "WeakSet[nn.Module]" = WeakSet()
+
+
+@dataclass
+class ShardedModel:
+    """What :func:`shard_model` returns: the (possibly new) module, and the applied plan, or None when the user's
+    ``parallelize_fn`` sharded it with FSDP itself."""
+
+    module: nn.Module
+    applied: Optional[AppliedPlan]
+
+
+def shard_model(
+    module: nn.Module,
+    config: MixedFSDPConfig,
+    bulk: BulkDtypes,
+    meshes: ParallelMeshes,
+    device: torch.device,
+    parallelize: Optional[ParallelizeFn] = None,
+) -> ShardedModel:
+    """Plan, apply, materialise, sync and check ``module``; ``config`` is validated already. Every data-parallel rank
+    calls it with the same model."""
+    if module in _SET_UP:
+        raise RuntimeError(
+            f"mixed_fsdp2: this {user_class_name(module)} is already set up (sharded, with hooks installed); a second"
+            " setup would shard it again. Keep using the module the first setup returned, or build a fresh model to"
+            " set up."
+        )
+    on_meta = has_meta_tensors(module)
+    plan = plan_validated(module, config, bulk)
+    # a meta model is initialised in the dtypes it was built in (random draws depend on the dtype), except that
+    # keep-fp32 tensors are initialised in fp32 even when built under a bf16 default dtype (`init_module()`)
+    init_dtypes = {**built_dtypes(module), **dict.fromkeys(plan.fp32_names, torch.float32)} if on_meta else None
+    _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
+    if config.print_report:
+        _on_rank_zero(lambda: print(plan.report()))
+    module, applied = apply_plan(
+        module,
+        plan,
+        meshes,
+        device,
+        parallelize or _identity,
+        reshard_after_forward=config.reshard_after_forward,
+        checkpoint_every=config.checkpoint_every,
+        compile_units=config.compile,
+    )
+    units: Sequence[str] = plan.outermost_units if applied is not None else ()
+    if on_meta:
+        materialize_sharded(module, units, device, initialise=config.init_meta_params, dtypes=init_dtypes)
+    elif applied is not None:
+        sync_replicas(applied, meshes)
+    if applied is not None and config.check_dtype_leaks and plan.bulk.compute is not None:
+        applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
+    _SET_UP.add(module)
+    return ShardedModel(module, applied)
+
+
+class ShardedModels:
+    """The models one strategy set up, with their applied plans; the gradient-sync switch of gradient accumulation."""
+
+    def __init__(self) -> None:
+        self._applied: "WeakKeyDictionary[nn.Module, AppliedPlan]" = WeakKeyDictionary()
+
+    def add(self, sharded: ShardedModel) -> nn.Module:
+        if sharded.applied is not None:
+            self._applied[sharded.module] = sharded.applied
+        return sharded.module
+
+    def plan_of(self, module: nn.Module) -> ShardPlan:
+        module = unwrap_model(module)
+        if module not in self._applied:
+            raise KeyError(f"{type(module).__name__} was not set up by the mixed_fsdp2 strategy.")
+        return self._applied[module].plan
+
+    @contextmanager
+    def no_sync(self, modules: Sequence[nn.Module], enabled: bool = True) -> Iterator[None]:
+        """FSDP groups and replicated params skip their reduction; grads accumulate locally until a syncing
+        backward reduces them once."""
+        for module in modules:
+            self.set_requires_gradient_sync(module, not enabled)
+        try:
+            yield
+        finally:
+            for module in modules:
+                self.set_requires_gradient_sync(module, True)
+
+    def set_requires_gradient_sync(self, module: nn.Module, requires_sync: bool) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.set_requires_gradient_sync(requires_sync, recurse=False)
+        applied = self._applied.get(unwrap_model(module))
+        if applied is not None:
+            applied.reducer.requires_gradient_sync = requires_sync
+
+
+def mixed_dtype_fsdp_groups(module: nn.Module) -> List[str]:
+    """FSDP modules (sharded by someone else) whose own trainable params mix dtypes, described
+    (``layers.0: bfloat16, float32``): FSDP2 would refuse them at the first forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    fsdp_names = [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    for name in fsdp_names:
+        owned = module.get_submodule(name)
+        nested = [n for n in fsdp_names if n != name and is_within(n, name)]
+        dtypes = {
+            p.dtype
+            for param_name, p in owned.named_parameters(prefix=name)
+            if p.requires_grad and not any(is_within(param_name, n) for n in nested)
+        }
+        if len(dtypes) > 1:
+            found.append(
+                f"{canonical_name(name) or '<root>'}: {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}"
+            )
+    return found
+
+
+def _identity(module: nn.Module, _: Any) -> nn.Module:
+    return module
+
+
+def _on_rank_zero(action: Callable[[], Any]) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        action()
