@@ -21,10 +21,14 @@ if TYPE_CHECKING:
 def fsdp_param_groups(module: nn.Module) -> List[Any]:
     """The ``FSDPParamGroup``s of one ``FSDPModule`` (the module's own group; list-form ``fully_shard`` shares one).
 
-    ``FSDPModule._get_fsdp_state()`` and the state's param groups are private. torch 2.11 and 2.12 hold one group or
-    None in ``_fsdp_param_group``; 2.13 and 2.14 hold a list in ``_fsdp_param_groups``.
+    ``FSDPModule._get_fsdp_state()`` is private; see :func:`fsdp_param_groups_of_state`.
     """
-    state = module._get_fsdp_state()  # type: ignore[operator]
+    return fsdp_param_groups_of_state(module._get_fsdp_state())  # type: ignore[operator]
+
+
+def fsdp_param_groups_of_state(state: Any) -> List[Any]:
+    """The param groups of an ``FSDPState`` (private): torch 2.11 and 2.12 hold one group or None in
+    ``_fsdp_param_group``; 2.13 and 2.14 hold a list in ``_fsdp_param_groups``."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     group = getattr(state, "_fsdp_param_group", None)
@@ -43,11 +47,11 @@ def gradient_divide_factor(module: nn.Module) -> Optional[float]:
 def reset_fsdp_iter_state(root: nn.Module) -> None:
     """Recover FSDP2's state after a forward or backward that raised, then drop the grads the failed backward left.
 
-    ``FSDPModule.reset_iter_state`` is public from torch 2.13; on 2.11 and 2.12 the same reset is done here on the
-    private state it touches (``FSDPState._training_state``, ``FSDPParamGroup.reset_iter_state``? no: those versions
-    have no such method, so each group is resharded and its in-flight state cleared through the attributes
-    2.13's implementation clears). The unsharded grads of a partial backward (``FSDPParam._unsharded_param.grad``,
-    ``unsharded_accumulated_grad``) survive even 2.13's reset and are dropped on every version.
+    ``FSDPModule.reset_iter_state`` is public from torch 2.13; on 2.11 and 2.12 the same reset is made here on the
+    private state 2.13's ``FSDPState._reset_iter_state`` clears (checked against 2.11.0's ``FSDPState``,
+    ``FSDPParamGroup`` and ``FSDPCommContext``, which hold one reduce-scatter state instead of a list). The unsharded
+    grads of a partial backward (``FSDPParam._unsharded_param.grad``, ``unsharded_accumulated_grad``) survive even
+    2.13's reset and are dropped on every version.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -67,31 +71,37 @@ def reset_fsdp_iter_state(root: nn.Module) -> None:
 
 
 def _reset_iter_state_before_2_13(root: nn.Module) -> None:
-    """What 2.13's ``FSDPModule.reset_iter_state`` does, on 2.11/2.12's private state (checked on 2.11.0, 2.12.1)."""
-    from torch.distributed.fsdp import FSDPModule
+    """2.13's ``FSDPState._reset_iter_state`` on 2.11/2.12's private attributes (checked on 2.11.0)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        state._training_state = TrainingState.IDLE
-        for group in fsdp_param_groups(module):
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    stream = state._device_handle.current_stream()
+    comm_ctx = state._comm_ctx
+    all_gather, reduce_scatter = comm_ctx.all_gather_state, comm_ctx.reduce_scatter_state
+    for pending in (all_gather, reduce_scatter):
+        if pending is not None and pending.event is not None:
+            stream.wait_event(pending.event)
+    comm_ctx.all_gather_state = comm_ctx.reduce_scatter_state = None
+    comm_ctx.post_forward_order.clear()
+    for module_state in state._state_ctx.all_states:
+        module_state._modules_to_run_forward.clear()
+        module_state._training_state = TrainingState.IDLE
+        for group in fsdp_param_groups_of_state(module_state):
+            result = group._all_gather_result
+            if result is not None and result.all_gather_event is not None:
+                stream.wait_event(result.all_gather_event)
+            if result is not None and isinstance(result.all_gather_work, torch.distributed.distributed_c10d.Work):
+                result.all_gather_work.wait()
+            for event in (group._post_reduce_event, getattr(group._all_reduce_state, "event", None)):
+                if event is not None:
+                    stream.wait_event(event)
+            group._all_gather_result = group._post_reduce_event = group._all_reduce_state = None
+            group._reshard_after_forward_event = group._partial_reduce_output = None
+            group._post_forward_indices.clear()
             group._training_state = TrainingState.IDLE
-            group.reshard()
-            group._all_gather_result = None
-            group._post_reduce_event = None
-            group._partial_reduce_output = None
-            group._reshard_after_forward_event = None
-        comm_ctx = getattr(state, "_comm_ctx", None)
-        if comm_ctx is not None:
-            comm_ctx.reduce_scatter_state = None
-            comm_ctx.all_reduce_state = None
-            comm_ctx.post_forward_order.clear()
-        state_ctx = getattr(state, "_state_ctx", None)
-        if state_ctx is not None:
-            state_ctx.iter_forward_root = None
-            state_ctx.post_backward_final_callback_queued = False
+            group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
 
 
 # ---- device meshes --------------------------------------------------------------------------------------------------
@@ -145,6 +155,13 @@ def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
     """In-place multiply of every tensor by a 0-dim tensor, one kernel. ``torch._foreach_mul_`` is private,
     checked on torch 2.11 to 2.14."""
     torch._foreach_mul_(list(tensors), scalar)
+
+
+def assert_on_device(condition: Tensor, message: str) -> None:
+    """Assert a boolean device tensor without waiting for it: ``torch._assert_async`` (private, checked on torch 2.11
+    to 2.14). On CUDA a failed assert aborts the kernels queued after it and surfaces as a RuntimeError
+    ("device-side assert triggered") at the next call that waits for the device."""
+    torch._assert_async(condition, message)
 
 
 # ---- module internals -----------------------------------------------------------------------------------------------

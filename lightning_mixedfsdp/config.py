@@ -83,6 +83,11 @@ class MixedFSDPConfig:
     compile: bool = False
     """``torch.compile`` each wrap unit before sharding (torchtitan's per-block compile)."""
 
+    recompute_keep_fp32_modules: bool = True
+    """Recompute the fp32 math of keep-fp32 modules (inputs cast up, compute, outputs cast down) in backward instead
+    of saving fp32 copies of their activations: backward keeps the module's bf16 input only, and the fp32 math is
+    bit for bit the same. ``False`` saves the fp32 activations (more memory, no recompute)."""
+
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""
 

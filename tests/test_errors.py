@@ -135,3 +135,13 @@ def test_bf16_true_conversion_keeps_norms_and_pinned_params_fp32() -> None:
         "proj.weight": torch.bfloat16,
         "proj.bias": torch.bfloat16,
     }
+
+
+def test_a_non_finite_grad_norm_raises_with_the_fix_when_asked() -> None:
+    from lightning_mixedfsdp import clip_grad_norm_
+
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.tensor([1.0, float("inf"), 0.0])
+    with pytest.raises(RuntimeError, match=r"non-finite \(inf\), so it cannot be clipped. Set `error_if_nonfinite=Fa"):
+        clip_grad_norm_([param], 1.0, error_if_nonfinite=True)
+    assert torch.equal(param.grad, torch.tensor([1.0, float("inf"), 0.0]))  # nothing scaled

@@ -1,7 +1,8 @@
 """Execute a ShardPlan on a model, in torchtitan's order: the planned dtypes, the user's ``parallelize_fn`` (tensor
-parallelism), activation checkpointing, per-unit compile, one ``fully_shard`` per sharded group (children before
-parents, the root last), then the replicated params with their hooks and gradient reducer. Every side effect of the
-library on a model lives here."""
+parallelism), activation checkpointing, per-unit compile, the replicated params and every dtype boundary, one
+``fully_shard`` per sharded group (children before parents, the root last), then the step tracking that reduces the
+replicated grads. The ``apply_*`` leaves are the library's side effects on a model; ``shard_model``
+(``pipeline.py``) orchestrates them."""
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
@@ -11,9 +12,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
+from lightning_mixedfsdp.sharding.adapt import ClassRestore
+from lightning_mixedfsdp.sharding.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan
+from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
 from lightning_mixedfsdp.sharding.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
@@ -38,11 +41,17 @@ class AppliedPlan:
     reducer: ReplicatedGradReducer
     tracker: StepTracker
     handles: List[RemovableHandle] = field(default_factory=list)
+    restores: List[ClassRestore] = field(default_factory=list)
+    """What undoes the class adaptations (boundaries, local views) of modules FSDP does not wrap itself."""
 
     def remove_hooks(self) -> None:
+        """Remove every hook the plan installed and undo the adaptations of modules that are no FSDP group."""
         for handle in self.handles:
             handle.remove()
+        for restore in self.restores:
+            restore.remove()
         self.handles.clear()
+        self.restores.clear()
 
 
 def apply_plan(
@@ -54,6 +63,7 @@ def apply_plan(
     reshard_after_forward: bool = True,
     checkpoint_every: int = 0,
     compile_units: bool = False,
+    recompute_boundaries: bool = True,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
     when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
@@ -71,14 +81,16 @@ def apply_plan(
     index = ModuleIndex(model)
     if compile_units:
         apply_compile(index, top_units)
-    params = {canonical_name(n): p for n, p in model.named_parameters()}
-    ignored = {params[name] for name in plan.replicated_params}
+    restores: List[ClassRestore] = []
+    replicas = replicate_params(index, plan, meshes.fsdp, device, recompute_boundaries, restores)
+    restores += apply_boundaries(index, plan.sharded_groups, recompute_boundaries)
+    ignored = {replica.param for replica in replicas}
     for group in plan.sharded_groups:
         apply_fully_shard(index, group, meshes.fsdp, reshard_after_forward, ignored)
     handles: List[RemovableHandle] = []
-    replicas = replicate_params(model, index, plan, meshes.fsdp, device, handles)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
-    return model, AppliedPlan(plan=plan, replicas=replicas, reducer=reducer, tracker=tracker, handles=handles)
+    applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
+    return model, applied
 
 
 @torch.no_grad()
@@ -164,11 +176,17 @@ def sync_replicas(applied: AppliedPlan, meshes: ParallelMeshes) -> None:
         broadcast_from_first_rank(replicas, meshes.data_parallel.get_group())
 
 
-def mp_policy(key: DtypeKey) -> "MixedPrecisionPolicy":
+def mp_policy(group: ShardGroup) -> "MixedPrecisionPolicy":
+    """FSDP's casts for a group: a unit's own group casts its inputs; a minority group's modules cast at their own
+    dtype boundary (``boundaries.py``), so FSDP only all-gathers and reduces in the group's dtypes."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    key, own_casts = group.key, not is_minority(group)
     return MixedPrecisionPolicy(
-        param_dtype=key.compute, reduce_dtype=key.reduce, output_dtype=key.output, cast_forward_inputs=True
+        param_dtype=key.compute,
+        reduce_dtype=key.reduce,
+        output_dtype=key.output if own_casts else None,
+        cast_forward_inputs=own_casts,
     )
 
 
@@ -186,9 +204,7 @@ def apply_fully_shard(
     # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward)
     reshard: Optional[bool] = None if group.is_root and reshard_after_forward else reshard_after_forward
     target = modules[0] if len(modules) == 1 else modules
-    fully_shard(
-        target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group.key), ignored_params=ignored
-    )
+    fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group), ignored_params=ignored)
 
 
 def _already_sharded(model: nn.Module) -> bool:

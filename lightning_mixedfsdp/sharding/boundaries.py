@@ -1,41 +1,18 @@
 """Dtype boundaries: where a module computes in another dtype than the layers around it (a keep-fp32 norm among
-bf16 blocks), its floating inputs are cast to its compute dtype and its outputs back to the caller's.
+bf16 blocks), its floating inputs are cast to its compute dtype and its outputs back to the caller's, and (with
+``recompute``) the fp32 region is recomputed in backward instead of saving fp32 activations.
 
-FSDP's ``MixedPrecisionPolicy`` does this for sharded groups; these boundaries do it for modules FSDP does not
-wrap: replicated groups, and every minority group of a model that is not sharded at all (``load_weights``).
+Every minority group's modules get one, whether FSDP shards them (their ``MixedPrecisionPolicy`` then casts nothing),
+replicates them, or the model is not sharded at all (``load_weights``). The mechanism is ``sharding/adapt.py``.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
-import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from lightning_mixedfsdp.sharding.adapt import Adaptation, Boundary, ClassRestore, adapt
 from lightning_mixedfsdp.sharding.names import ModuleIndex
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
-from lightning_mixedfsdp.sharding.tensors import cast_floating
-
-
-def install_cast_hooks(
-    module: nn.Module, input_dtype: torch.dtype, output_dtype: Optional[torch.dtype]
-) -> List[RemovableHandle]:
-    """What FSDP's MixedPrecisionPolicy does at a group boundary, for a module that is not an FSDP group."""
-
-    def cast_inputs(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return cast_floating((args, kwargs), input_dtype)
-
-    handles = [module.register_forward_pre_hook(cast_inputs, with_kwargs=True)]
-    if output_dtype is not None:
-        handles.append(module.register_forward_hook(lambda _m, _a, output: cast_floating(output, output_dtype)))
-    return handles
-
-
-def install_group_boundaries(index: ModuleIndex, group: ShardGroup) -> List[RemovableHandle]:
-    """The boundaries of one group's modules: inputs in the group's compute dtype, outputs in its output dtype."""
-    handles: List[RemovableHandle] = []
-    for module_name in group.modules:
-        handles.extend(install_cast_hooks(index.inner[module_name], group.key.compute, group.key.output))
-    return handles
 
 
 def is_minority(group: ShardGroup) -> bool:
@@ -43,7 +20,26 @@ def is_minority(group: ShardGroup) -> bool:
     return group.modules != (group.unit,) and bool(group.modules)
 
 
-def apply_dtype_boundaries(model: nn.Module, plan: ShardPlan) -> List[RemovableHandle]:
-    """Every minority group's boundaries, on a model that is not sharded (no FSDP casts anything)."""
-    index = ModuleIndex(model)
-    return [handle for group in plan.groups if is_minority(group) for handle in install_group_boundaries(index, group)]
+def group_boundary(group: ShardGroup, recompute: bool) -> Optional[Boundary]:
+    """The boundary of a minority group's modules; None for a unit's own group (FSDP casts its inputs). Recompute
+    only pays where the group computes wider than it returns."""
+    if not is_minority(group):
+        return None
+    output = group.key.output
+    widening = output is not None and output.itemsize < group.key.compute.itemsize
+    return Boundary(group.key.compute, output, recompute=recompute and widening)
+
+
+def apply_boundaries(index: ModuleIndex, groups: Sequence[ShardGroup], recompute: bool) -> List[ClassRestore]:
+    """Each minority group's boundary on its modules (the inner, user's module of each name)."""
+    restores: List[ClassRestore] = []
+    for group in groups:
+        boundary = group_boundary(group, recompute)
+        if boundary is not None:
+            restores.extend(adapt(index.inner[name], Adaptation(boundary=boundary)) for name in group.modules)
+    return restores
+
+
+def apply_dtype_boundaries(model: nn.Module, plan: ShardPlan, recompute: bool = False) -> List[ClassRestore]:
+    """Every minority group's boundary, on a model that is not sharded (nothing else casts)."""
+    return apply_boundaries(ModuleIndex(model), plan.groups, recompute)

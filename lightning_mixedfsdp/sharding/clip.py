@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_mixedfsdp._torch_compat import foreach_mul_, foreach_norm
+from lightning_mixedfsdp._torch_compat import assert_on_device, foreach_mul_, foreach_norm
 
 _GroupKey = Tuple[Any, Any]
 _BucketKey = Tuple[torch.device, torch.dtype]
@@ -83,16 +83,32 @@ def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tens
 def clip_grad_norm_(
     parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes."""
+    """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes.
+
+    ``error_if_nonfinite`` keeps Lightning's meaning (a non-finite norm raises) without a host sync on CUDA: there
+    the check is a device-side assert placed before the scaling, so the host never waits for the norm. If it fails,
+    no kernel queued after it runs (the grads are not scaled, the optimizer step that follows changes nothing) and
+    the error surfaces as a RuntimeError ("device-side assert triggered") at the next call that waits for the GPU,
+    e.g. ``loss.item()`` or a checkpoint save; that process cannot use the GPU again, so restart from the last
+    checkpoint. On other devices it raises here, as torch does.
+    """
     groups, device = _grouped_grads(parameters)
     total = _total_norm(groups, device, float(norm_type))
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients is non-finite ({total.item()}), so it cannot be"
-            " clipped. Set `error_if_nonfinite=False` to clip anyway."
-        )
+    if error_if_nonfinite:
+        _check_finite(total, norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for buckets in groups.values():
         for (device, dtype), grads in buckets.items():
             foreach_mul_(grads, coefficient.to(device=device, dtype=dtype))
     return total
+
+
+def _check_finite(total: Tensor, norm_type: float) -> None:
+    message = (
+        f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. Set"
+        " `error_if_nonfinite=False` to clip anyway."
+    )
+    if total.device.type == "cuda":
+        assert_on_device(torch.isfinite(total), message)
+    elif not torch.isfinite(total):
+        raise RuntimeError(message.replace("non-finite", f"non-finite ({total.item()})"))

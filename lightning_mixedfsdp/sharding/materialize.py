@@ -136,12 +136,15 @@ def materialize_sharded(
     device: torch.device,
     initialise: bool,
     dtypes: Optional[Dict[str, torch.dtype]] = None,
+    rng_state: Optional[Tensor] = None,
 ) -> None:
     """Allocate the local shards of a model sharded on meta and fill them, chunk by chunk, from rank 0.
 
     With ``initialise`` every param and buffer is initialised by the model's own init, in ``dtypes`` (the dtypes the
-    model was built with; default: as it is now); without it (a load follows) only the non-persistent buffers, which
-    no checkpoint holds. Every rank calls it.
+    model was built with; default: as it is now), drawing from the CPU generator as it was at ``rng_state`` (the
+    state when setup began: sharding itself may draw random numbers on some torch versions), so the values equal a
+    single-process init from the same seed; without ``initialise`` (a load follows) only the non-persistent buffers,
+    which no checkpoint holds. Every rank calls it.
     """
     import torch.distributed as dist
 
@@ -152,6 +155,8 @@ def materialize_sharded(
     dist.broadcast_object_list(names, src=0)
     produce: Optional[Generator[Tuple[Optional[str], Dict[str, Tensor]], None, None]] = None
     if rank_zero:
+        if rng_state is not None:
+            torch.random.set_rng_state(rng_state)
         produce = _produce(sharded, chunks, dtypes or {})
     try:
         stream_into(sharded, names[0], produce)

@@ -58,6 +58,7 @@ def shard_model(
             " set up."
         )
     on_meta = has_meta_tensors(module)
+    rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk)
     # a meta model is initialised in the dtypes it was built in (random draws depend on the dtype), except that
     # keep-fp32 tensors are initialised in fp32 even when built under a bf16 default dtype (`init_module()`)
@@ -74,10 +75,13 @@ def shard_model(
         reshard_after_forward=config.reshard_after_forward,
         checkpoint_every=config.checkpoint_every,
         compile_units=config.compile,
+        recompute_boundaries=config.recompute_keep_fp32_modules,
     )
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:
-        materialize_sharded(module, units, device, initialise=config.init_meta_params, dtypes=init_dtypes)
+        materialize_sharded(
+            module, units, device, initialise=config.init_meta_params, dtypes=init_dtypes, rng_state=rng_state
+        )
     elif applied is not None:
         sync_replicas(applied, meshes)
     if applied is not None and config.check_dtype_leaks and plan.bulk.compute is not None:

@@ -1,19 +1,20 @@
-"""Replicated params: Replicate DTensors on the data-parallel mesh, swapped for local views during forward, and the
+"""Replicated params: Replicate DTensors on the data-parallel mesh, read by module code as local views, and the
 reducer that averages their grads once per backward.
 
 Optimizers, clipping and DCP see one consistent set of DTensors (shards and replicas on the same mesh), while
-unmodified module forwards (HF modules included) see plain tensors, the way FSDP2 swaps in unsharded params.
+unmodified module forwards (HF modules included) read plain tensors: the owner's class gets a property per replicated
+param (``sharding/adapt.py``), the way FSDP2 swaps unsharded params in, but with no hook and no state.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import gradient_divide_factor, own_parameters, replace_parameter
-from lightning_mixedfsdp.sharding.boundaries import install_group_boundaries
+from lightning_mixedfsdp.sharding.adapt import Adaptation, ClassRestore, adapt
+from lightning_mixedfsdp.sharding.boundaries import group_boundary
 from lightning_mixedfsdp.sharding.names import ModuleIndex
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
 
@@ -26,29 +27,35 @@ if TYPE_CHECKING:
 @dataclass
 class ReplicatedParam:
     name: str
-    owner: nn.Module
-    attribute: str
     param: nn.Parameter
-    compute_dtype: torch.dtype
     reduce_dtype: torch.dtype
 
 
 def replicate_params(
-    model: nn.Module,
     index: ModuleIndex,
     plan: ShardPlan,
     mesh: "DeviceMesh",
     device: torch.device,
-    handles: List[RemovableHandle],
+    recompute: bool,
+    restores: List[ClassRestore],
 ) -> List[ReplicatedParam]:
-    """Turn every replicated param of ``plan`` into a Replicate DTensor and install the forward hooks (their handles
-    are appended to ``handles``)."""
+    """Turn every replicated param of ``plan`` into a Replicate DTensor, give its owner a local view of it, and give
+    the group's modules their dtype boundary (before ``fully_shard``; what undoes the adaptations is appended to
+    ``restores``)."""
     replicated: List[ReplicatedParam] = []
+    adaptations: Dict[nn.Module, Adaptation] = {}
     for group in plan.replicated_groups:
-        entries = [_to_replicate_dtensor(index, name, group, mesh, device) for name in group.params]
-        handles.extend(_install_swap_hooks(index, group.unit, entries))
-        handles.extend(install_group_boundaries(index, group))
-        replicated.extend(entries)
+        for name in group.params:
+            owner_name, _, attribute = name.rpartition(".")
+            owner = index.inner[owner_name]
+            replicated.append(_to_replicate_dtensor(owner, name, attribute, group, mesh, device))
+            view = Adaptation(views=((attribute, group.key.compute),))
+            adaptations[owner] = adaptations.get(owner, Adaptation()).merged(view)
+        boundary = group_boundary(group, recompute)
+        for module_name in group.modules:
+            module = index.inner[module_name]
+            adaptations[module] = adaptations.get(module, Adaptation()).merged(Adaptation(boundary=boundary))
+    restores.extend(adapt(module, adaptation) for module, adaptation in adaptations.items())
     return replicated
 
 
@@ -63,79 +70,20 @@ def broadcast_from_first_rank(tensors: Sequence[Tensor], group: "ProcessGroup") 
 
 
 def _to_replicate_dtensor(
-    index: ModuleIndex, name: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
+    owner: nn.Module, name: str, attribute: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
 ) -> ReplicatedParam:
     from torch.distributed.tensor import DTensor, Replicate
 
-    owner_name, _, attribute = name.rpartition(".")
-    owner = index.inner[owner_name]
     param = own_parameters(owner)[attribute]
-    # a meta param stays on meta: the strategy allocates and fills it after sharding
+    assert param is not None
+    # a meta param stays on meta: the pipeline allocates and fills it after sharding
     local = param.detach().to(device=param.device if param.is_meta else device, dtype=group.key.storage)
     replica = nn.Parameter(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
         requires_grad=param.requires_grad,
     )
     replace_parameter(owner, attribute, replica)
-    return ReplicatedParam(name, owner, attribute, replica, group.key.compute, group.key.reduce)
-
-
-class _SwapScope:
-    """Which module swapped a unit's replicas in: the first level entered does it, inner levels then only read.
-
-    Levels, outermost first: the unit as sharded (a checkpoint or compile wrapper), the user's own unit module, and
-    each owner of a replica. In eager mode a checkpoint recompute in backward re-enters only the inner levels, so they
-    swap the views in again; under ``torch.compile`` the recompute is part of the compiled graph and the inner levels
-    only read, so no mutation happens inside a checkpointed region (which dynamo cannot trace).
-    """
-
-    def __init__(self) -> None:
-        self.active: Optional[nn.Module] = None
-
-    def install(self, module: nn.Module, entries: List[ReplicatedParam]) -> List[RemovableHandle]:
-        def enter(entered: nn.Module, *_: Any) -> None:
-            if self.active is None:
-                _swap_in(entries)
-                self.active = entered
-
-        def leave(left: nn.Module, *_: Any) -> None:
-            if self.active is left:
-                self.active = None
-                _swap_out(entries)
-
-        return [
-            module.register_forward_pre_hook(enter, prepend=True),
-            module.register_forward_hook(leave, always_call=True),
-        ]
-
-
-def _install_swap_hooks(index: ModuleIndex, unit: str, entries: List[ReplicatedParam]) -> List[RemovableHandle]:
-    """Module code reads plain local views of the replicas while their unit runs, and while activation
-    checkpointing recomputes the unit or a part of it."""
-    scope = _SwapScope()
-    levels = list(dict.fromkeys([index.outer[unit], index.inner[unit]]))
-    handles = [handle for level in levels for handle in scope.install(level, entries)]
-    by_owner: Dict[nn.Module, List[ReplicatedParam]] = {}
-    for entry in entries:
-        if entry.owner not in levels:
-            by_owner.setdefault(entry.owner, []).append(entry)
-    for owner, owned in by_owner.items():
-        handles += scope.install(owner, owned)
-    return handles
-
-
-def _swap_in(entries: Sequence[ReplicatedParam]) -> None:
-    for entry in entries:
-        view = as_dtensor(entry.param).to_local()
-        # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
-        view = view.to(entry.compute_dtype) if view.dtype != entry.compute_dtype else view
-        # the instance attribute shadows `_parameters[...]`, so module code reads a plain tensor
-        object.__setattr__(entry.owner, entry.attribute, view)
-
-
-def _swap_out(entries: Sequence[ReplicatedParam]) -> None:
-    for entry in entries:
-        entry.owner.__dict__.pop(entry.attribute, None)
+    return ReplicatedParam(name, replica, group.key.reduce)
 
 
 def _buckets_by_dtype(tensors: Sequence[Tensor]) -> Dict[torch.dtype, List[Tensor]]:

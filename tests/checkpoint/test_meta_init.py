@@ -131,18 +131,25 @@ def results(saved: Any) -> list:
 
 
 def _reference(model_type: str, **overrides: Any) -> Dict[str, torch.Tensor]:
-    """One process: the same meta model, initialised by ``init_meta_module_``, in the planned dtypes."""
+    """One process: the same meta model, initialised by ``init_meta_module_``."""
     from transformers import AutoModelForCausalLM
 
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
     from lightning_mixedfsdp.sharding.apply import apply_dtypes
     from lightning_mixedfsdp.sharding.materialize import init_meta_module_
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    # built as `init_module()` builds under bf16-true (bf16 default dtype, as Lightning's own), initialised in the
+    # dtypes README gives: keep-fp32 tensors in fp32, the rest in the dtype they were built in
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    finally:
+        torch.set_default_dtype(default)
+    apply_dtypes(model, plan_sharding(model, MixedFSDPConfig(keep_fp32_params=[r"A_log$"]), "bf16-true"))
     torch.manual_seed(SEED)
     init_meta_module_(model)
-    apply_dtypes(model, plan_sharding(model, MixedFSDPConfig(keep_fp32_params=[r"A_log$"]), "bf16-true"))
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 

@@ -140,7 +140,8 @@ def _replicated_reduce_dtype(rank: int) -> Dict[str, Any]:
     return {
         "keys": {n: str(p.key) for n, p in plan.params.items() if p.replicated},
         "all_reduces": records,
-        "grad_dtype": unwrap(model).hidden.weight.grad.dtype,
+        # the param itself (a Replicate DTensor); `module.hidden.weight` reads its local view
+        "grad_dtype": dict(unwrap(model).named_parameters())["hidden.weight"].grad.dtype,
     }
 
 
@@ -186,10 +187,12 @@ def _removable_hooks(rank: int) -> Dict[str, Any]:
     def hooks_on(model: torch.nn.Module) -> int:
         return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
+    from lightning_mixedfsdp.sharding.adapt import adapted_modules
+
     fabric = make_fabric(WORLD, "bf16-true")
     model = fabric.setup(TinyLlama(MIXER))
     (applied,) = fabric.strategy._sharded._applied.values()
-    kept, before = len(applied.handles), hooks_on(model)
+    kept, before, adapted = len(applied.handles), hooks_on(model), adapted_modules(model)
     applied.remove_hooks()
     # what is left must be FSDP's own: one pre- and one post-forward hook on each FSDP module, none elsewhere
     left_over = [
@@ -197,7 +200,15 @@ def _removable_hooks(rank: int) -> Dict[str, Any]:
         for name, m in model.named_modules()
         if (len(m._forward_pre_hooks), len(m._forward_hooks)) != ((1, 1) if isinstance(m, FSDPModule) else (0, 0))
     ]
-    return {"kept": kept, "removed": before - hooks_on(model), "left": len(applied.handles), "left_over": left_over}
+    removed = before - hooks_on(model)
+    return {
+        "kept": kept,
+        "removed": removed,
+        "left": len(applied.handles),
+        "left_over": left_over,
+        "adapted": adapted,
+        "adapted_after": adapted_modules(model),
+    }
 
 
 def _scenarios(rank: int, world_size: int) -> Dict[str, Any]:
@@ -255,10 +266,13 @@ def test_replicated_grads_follow_fsdps_gradient_divide_factor(results: list) -> 
 def test_every_installed_hook_is_kept_and_removable(results: list) -> None:
     for result in results:
         hooks = result["hooks"]
-        # the replicated A_log and norms' swap and cast hooks plus the step tracker: well above one
+        # the step tracker's hooks; the replicated norms and A_log owners carry their class adaptations instead
         assert hooks["kept"] > 1
         assert hooks["removed"] == hooks["kept"] and hooks["left"] == 0
         assert hooks["left_over"] == []
+        assert any(name.endswith("attention_norm") for name in hooks["adapted"])
+        assert any(name.endswith("attention") for name in hooks["adapted"])  # the mixer owning the replicated A_log
+        assert hooks["adapted_after"] == []
 
 
 def test_setting_up_a_module_twice_is_refused_with_the_fix(results: list) -> None:

@@ -1,0 +1,140 @@
+"""Modules the plan singles out, adapted by class: dtype boundaries and local views of replicated params.
+
+- **Dtype boundary**: a module computing in another dtype than its caller (a keep-fp32 norm among bf16 blocks)
+  gets its floating inputs cast to its compute dtype and its outputs cast back. With ``recompute`` the cast-compute-
+  cast region runs under ``torch.utils.checkpoint``: backward keeps only the (bf16) input and recomputes the fp32
+  math, bit for bit, instead of saving fp32 copies of the activations.
+- **Local views**: a replicated param is a Replicate DTensor in ``_parameters`` (what optimizers, clipping and DCP
+  see); reading the attribute (``norm.weight``) gives its local tensor in the compute dtype, which unmodified module
+  code (HF's included) can mix with plain activations.
+
+Both are one subclass of the module's own class per (class, adaptation), shared by every block, with the same name:
+no hooks, no per-module state. ``torch.compile`` sees the same code and guards in every layer (N identical layers
+compile to one graph) and traces it without a break; an activation-checkpoint recompute re-runs it like any forward.
+FSDP's own dynamic class subclasses this one when the module is sharded afterwards.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_mixedfsdp._torch_compat import own_parameters
+from lightning_mixedfsdp.sharding.tensors import cast_floating
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Inputs cast to ``compute``, outputs to ``output`` (None: left as computed); ``recompute`` the region in
+    backward instead of saving its activations."""
+
+    compute: torch.dtype
+    output: Optional[torch.dtype]
+    recompute: bool = True
+
+
+@dataclass(frozen=True)
+class Adaptation:
+    boundary: Optional[Boundary] = None
+    views: Tuple[Tuple[str, torch.dtype], ...] = ()
+    """(attribute, compute dtype) of each replicated param the module owns."""
+
+    def merged(self, other: "Adaptation") -> "Adaptation":
+        return Adaptation(other.boundary or self.boundary, tuple(sorted({*self.views, *other.views})))
+
+
+class ClassRestore:
+    """Undoes an adaptation (the ``remove()`` of a hook handle, so the applied plan keeps one list)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+
+    def remove(self) -> None:
+        original = original_class(self._module)
+        if original is not type(self._module) and not _is_fsdp_class(type(self._module)):
+            self._module.__class__ = original
+
+
+def adapt(module: nn.Module, adaptation: Adaptation) -> ClassRestore:
+    """Give ``module`` the class of ``adaptation`` (merged with one it already has). Before ``fully_shard`` of the
+    module itself: FSDP's class then subclasses this one."""
+    if _is_fsdp_class(type(module)):
+        raise RuntimeError(f"mixed_fsdp2: {type(module).__name__} is sharded already; adapt modules before sharding")
+    current = getattr(type(module), "_mixed_fsdp_adaptation", Adaptation())
+    module.__class__ = _adapted_class(original_class(module), current.merged(adaptation))
+    return ClassRestore(module)
+
+
+def original_class(module: nn.Module) -> type:
+    """The module's own class under FSDP's and our adaptations."""
+    return next(c for c in type(module).__mro__ if "_mixed_fsdp_adaptation" not in c.__dict__ and not _is_fsdp_class(c))
+
+
+def is_adapted(module: nn.Module) -> bool:
+    return hasattr(type(module), "_mixed_fsdp_adaptation")
+
+
+_CLASSES: Dict[Tuple[type, Adaptation], type] = {}
+
+
+def _adapted_class(cls: type, adaptation: Adaptation) -> type:
+    key = (cls, adaptation)
+    if key not in _CLASSES:
+        namespace: Dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_mixed_fsdp_adaptation": adaptation,
+        }
+        namespace.update({name: property(_local_view(name, dtype)) for name, dtype in adaptation.views})
+        if adaptation.boundary is not None:
+            namespace["forward"] = _boundary_forward(cls.forward, adaptation.boundary)  # type: ignore[attr-defined]
+        _CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    return _CLASSES[key]
+
+
+def _local_view(name: str, dtype: torch.dtype) -> Any:
+    def get(module: nn.Module) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        value = own_parameters(module)[name]
+        # a plain tensor stands there while rank 0 initialises a meta model (its full value, swapped in)
+        local = value.to_local() if isinstance(value, DTensor) else value
+        # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
+        return local if local.dtype == dtype else local.to(dtype)
+
+    return get
+
+
+def _boundary_forward(forward: Any, boundary: Boundary) -> Any:
+    def run(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        args, kwargs = cast_floating((args, kwargs), boundary.compute)
+        output = forward(module, *args, **kwargs)
+        return output if boundary.output is None else cast_floating(output, boundary.output)
+
+    def adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # the region runs with its compute dtype as the default dtype: tensors it creates are in the dtype it
+        # computes in, and a recompute in backward (outside Lightning's bf16 forward context) creates the same ones
+        # (torch 2.11's checkpoint compares a default-dtype tensor of its own between forward and recompute)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(boundary.compute)
+        try:
+            if boundary.recompute and torch.is_grad_enabled():
+                return checkpoint(run, self, args, kwargs, use_reentrant=False)
+            return run(self, args, kwargs)
+        finally:
+            torch.set_default_dtype(previous)
+
+    return adapted_forward
+
+
+def _is_fsdp_class(cls: type) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return issubclass(cls, FSDPModule)
+
+
+def adapted_modules(model: nn.Module) -> List[str]:
+    """Names of the modules of ``model`` that carry an adaptation."""
+    return [name for name, module in model.named_modules() if is_adapted(module)]

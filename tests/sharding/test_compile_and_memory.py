@@ -1,0 +1,128 @@
+"""The fast paths on HF models, in one process: compile with no graph break and no recompile per layer, fp32 norms
+that cost no activation memory and keep their math bit for bit, measured with dynamo's own counters and saved-tensor
+hooks, each against the same model with every keep rule off (and plain FSDP2)."""
+
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+from tests.hf_models import tiny_config
+
+LAYERS = 3
+RULES_OFF = dict(keep_fp32_modules=[], keep_fp32_params=[], honor_hf_keep_in_fp32=False)
+
+
+def _build(arch: str, **overrides: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    layer_types = {"layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+    extra = layer_types if arch == "qwen3_next" else {}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(
+        tiny_config(arch, num_hidden_layers=LAYERS, use_cache=False, **extra, **overrides)
+    )
+
+
+def _sharded(model: torch.nn.Module, fields: Dict[str, Any]) -> torch.nn.Module:
+    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
+    from lightning_mixedfsdp.sharding.pipeline import shard_model
+
+    config = MixedFSDPConfig(**fields)
+    meshes = build_parallel_meshes("cpu", 1, 1, 1, 1)
+    return shard_model(model, config, config.bulk_dtypes("bf16-true"), meshes, torch.device("cpu")).module
+
+
+def _plain_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """Uniform bf16 FSDP2 by hand: the baseline a user's ``torch.compile`` is measured against."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.to(torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _compiled_counts(model: torch.nn.Module, top_level: bool) -> Dict[str, int]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    if top_level:
+        model = torch.compile(model, backend="eager")
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+
+
+def _saved_bytes_and_grads(fields: Dict[str, Any]) -> Dict[str, Any]:
+    model = _sharded(_build("llama", hidden_size=64, intermediate_size=128, head_dim=16), fields)
+    tokens = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+    storages: Dict[Any, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[(storage.data_ptr(), tensor.dtype)] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    return {"bytes": sum(storages.values()), "loss": loss.detach(), "grads": grads}
+
+
+def _scenarios(rank: int, world_size: int) -> Dict[str, Any]:
+    import functools
+
+    import torch.distributed as dist
+
+    # graphs and breaks are dynamo's, whatever compiles the graphs: the eager backend keeps this launch short;
+    # inductor compiles in tests/sharding/test_compose.py and tests/strategies/test_trainer.py
+    nn_compile = torch.nn.Module.compile
+    torch.nn.Module.compile = functools.partialmethod(nn_compile, backend="eager")  # type: ignore[method-assign]
+    dist.init_process_group("gloo")
+    out: Dict[str, Any] = {}
+    for arch in ("llama", "qwen3_next"):
+        for rules, fields in (("on", {}), ("off", RULES_OFF)):
+            out[f"{arch}/unit/{rules}"] = _compiled_counts(_sharded(_build(arch), {**fields, "compile": True}), False)
+    for rules, fields in (("on", {}), ("off", RULES_OFF)):
+        out[f"llama/top/{rules}"] = _compiled_counts(_sharded(_build("llama"), fields), True)
+    out["llama/top/plain_fsdp2"] = _compiled_counts(_plain_fsdp(_build("llama")), True)
+    out["memory"] = {
+        "recomputed": _saved_bytes_and_grads({}),
+        "saved": _saved_bytes_and_grads({"recompute_keep_fp32_modules": False}),
+        "all_bf16": _saved_bytes_and_grads(RULES_OFF),
+    }
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> Dict[str, Any]:
+    return run_distributed(_scenarios, 1, timeout=420)[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_per_unit_compile_has_no_break_and_no_recompile_per_layer(results: Dict[str, Any], arch: str) -> None:
+    on, off = results[f"{arch}/unit/on"], results[f"{arch}/unit/off"]
+    assert on["breaks"] == off["breaks"] == 0
+    # N identical layers compile to one graph per kind of layer, as with every keep rule off
+    assert on["graphs"] == off["graphs"] <= 2
+
+
+def test_a_users_top_level_compile_breaks_only_where_plain_fsdp2_does(results: Dict[str, Any]) -> None:
+    on, off, plain = results["llama/top/on"], results["llama/top/off"], results["llama/top/plain_fsdp2"]
+    assert on == off == plain  # the breaks left are FSDP2's own root hooks
+
+
+def test_fp32_norms_save_no_fp32_activations_and_keep_their_math_bit_for_bit(results: Dict[str, Any]) -> None:
+    memory = results["memory"]
+    recomputed, saved, all_bf16 = memory["recomputed"], memory["saved"], memory["all_bf16"]
+    assert recomputed["bytes"] <= 1.01 * all_bf16["bytes"] < saved["bytes"]
+    assert torch.equal(recomputed["loss"], saved["loss"])
+    for name, grad in saved["grads"].items():
+        assert torch.equal(recomputed["grads"][name], grad), name
