@@ -26,17 +26,23 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
-from tests_fabric.helpers.runif import RunIf
+from lightning_mixedfsdp.fabric import MixedFSDP2Strategy  # contract-port: the subclass under test
+from tests.lightning_contract.tests_fabric.helpers.runif import RunIf  # contract-port: copied helper
+
+
+@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+def _strategy_class(request):  # contract-port: the class under test
+    return request.param  # contract-port: the class under test
 
 
 @mock.patch("lightning.fabric.strategies.model_parallel._TORCH_GREATER_EQUAL_2_4", False)
-def test_torch_greater_equal_2_4():
+def test_torch_greater_equal_2_4(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     with pytest.raises(ImportError, match="ModelParallelStrategy requires PyTorch 2.4 or higher"):
         ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
 
 
 @RunIf(min_torch="2.4")
-def test_device_mesh_access():
+def test_device_mesh_access(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     with pytest.raises(RuntimeError, match="Accessing the device mesh .* not allowed"):
         _ = strategy.device_mesh
@@ -53,7 +59,7 @@ def test_device_mesh_access():
         (2, 4, 2, 1),
     ],
 )
-def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size):
+def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test passing sizes that don't multiply to the world size raises an error."""
     strategy = ModelParallelStrategy(
         parallelize_fn=(lambda m, _: m),
@@ -72,7 +78,7 @@ def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, in
 
 
 @RunIf(min_torch="2.4")
-def test_checkpoint_io_unsupported():
+def test_checkpoint_io_unsupported(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallel strategy does not support the `CheckpointIO` plugin."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     with pytest.raises(NotImplementedError, match="does not use the `CheckpointIO` plugin"):
@@ -83,7 +89,7 @@ def test_checkpoint_io_unsupported():
 
 
 @RunIf(min_torch="2.4")
-def test_fsdp_v1_modules_unsupported():
+def test_fsdp_v1_modules_unsupported(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy won't allow setting up a module wrapped with the legacy FSDP API."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -94,7 +100,7 @@ def test_fsdp_v1_modules_unsupported():
 
 
 @RunIf(min_torch="2.4")
-def test_parallelize_fn_call():
+def test_parallelize_fn_call(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     model = nn.Linear(2, 2)
     optimizer = Adam(model.parameters())
 
@@ -118,7 +124,7 @@ def test_parallelize_fn_call():
 
 
 @RunIf(min_torch="2.4")
-def test_no_backward_sync():
+def test_no_backward_sync(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the backward sync control disables gradient sync on modules that benefit from it."""
     from torch.distributed._composable.fsdp import FSDPModule
 
@@ -140,7 +146,7 @@ def test_no_backward_sync():
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_storage_options(tmp_path):
+def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy does not accept storage options for saving checkpoints."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     with pytest.raises(
@@ -156,7 +162,7 @@ def test_save_checkpoint_storage_options(tmp_path):
 @mock.patch("torch.distributed.checkpoint.state_dict.get_optimizer_state_dict", return_value={})
 @mock.patch("lightning.fabric.strategies.model_parallel.torch.save")
 @mock.patch("lightning.fabric.strategies.model_parallel.shutil")
-def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, _, __, ___, tmp_path):
+def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, _, __, ___, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m), save_distributed_checkpoint=False)
 
     # save_distributed_checkpoint=False, path exists, path is not a sharded checkpoint: error
@@ -207,7 +213,7 @@ def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, _, __, ___, t
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_one_dist_module_required(tmp_path):
+def test_save_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can only save one distributed model per checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
 
@@ -228,7 +234,7 @@ def test_save_checkpoint_one_dist_module_required(tmp_path):
 
 
 @RunIf(min_torch="2.4")
-def test_load_checkpoint_no_state(tmp_path):
+def test_load_checkpoint_no_state(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can't load the full state without access to a model instance from
     the user."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
@@ -241,7 +247,7 @@ def test_load_checkpoint_no_state(tmp_path):
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel.ModelParallelStrategy.broadcast", lambda _, x: x)
 @mock.patch("lightning.fabric.strategies.model_parallel.torch.load", Mock())
-def test_load_checkpoint_one_dist_module_required(tmp_path):
+def test_load_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can only load one distributed model per checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
 
@@ -270,7 +276,7 @@ def test_load_checkpoint_one_dist_module_required(tmp_path):
 
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True)
-def test_load_unknown_checkpoint_type(_, tmp_path):
+def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy validates the contents at the checkpoint path."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     model = Mock()
@@ -281,7 +287,7 @@ def test_load_unknown_checkpoint_type(_, tmp_path):
 
 
 @RunIf(min_torch="2.4")
-def test_load_raw_checkpoint_validate_single_file(tmp_path):
+def test_load_raw_checkpoint_validate_single_file(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that we validate the given checkpoint is a single file when loading a raw PyTorch state-dict checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     model = Mock(spec=nn.Module)
@@ -292,7 +298,7 @@ def test_load_raw_checkpoint_validate_single_file(tmp_path):
 
 
 @RunIf(min_torch="2.4")
-def test_load_raw_checkpoint_optimizer_unsupported(tmp_path):
+def test_load_raw_checkpoint_optimizer_unsupported(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Validate that the ModelParallelStrategy strategy does not yet support loading the raw PyTorch state-dict for an
     optimizer."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
@@ -306,7 +312,7 @@ def test_load_raw_checkpoint_optimizer_unsupported(tmp_path):
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._setup_device_mesh")
 @mock.patch("torch.distributed.init_process_group")
-def test_set_timeout(init_process_group_mock, _):
+def test_set_timeout(init_process_group_mock, _, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the timeout gets passed to the ``torch.distributed.init_process_group`` function."""
     test_timedelta = timedelta(seconds=30)
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m), timeout=test_timedelta)
@@ -326,7 +332,7 @@ def test_set_timeout(init_process_group_mock, _):
 
 
 @RunIf(min_torch="2.4")
-def test_meta_device_materialization():
+def test_meta_device_materialization(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the `setup_module()` method materializes meta-device tensors in the module."""
 
     class NoResetParameters(nn.Module):

@@ -26,17 +26,23 @@ from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_3
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy
-from tests_pytorch.helpers.runif import RunIf
+from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy  # contract-port: the subclass under test
+from tests.lightning_contract.tests_pytorch.helpers.runif import RunIf  # contract-port: copied helper
+
+
+@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+def _strategy_class(request):  # contract-port: the class under test
+    return request.param  # contract-port: the class under test
 
 
 @mock.patch("lightning.pytorch.strategies.model_parallel._TORCH_GREATER_EQUAL_2_4", False)
-def test_torch_greater_equal_2_4():
+def test_torch_greater_equal_2_4(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     with pytest.raises(ImportError, match="ModelParallelStrategy requires PyTorch 2.4 or higher"):
         ModelParallelStrategy()
 
 
 @RunIf(min_torch="2.4")
-def test_device_mesh_access():
+def test_device_mesh_access(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy()
     with pytest.raises(RuntimeError, match="Accessing the device mesh .* not allowed"):
         _ = strategy.device_mesh
@@ -53,7 +59,7 @@ def test_device_mesh_access():
         (2, 4, 2, 1),
     ],
 )
-def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size):
+def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test passing sizes that don't multiply to the world size raises an error."""
     strategy = ModelParallelStrategy(
         data_parallel_size=invalid_dp_size,
@@ -71,7 +77,7 @@ def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, in
 
 
 @RunIf(min_torch="2.4")
-def test_fsdp_v1_modules_unsupported():
+def test_fsdp_v1_modules_unsupported(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy won't allow setting up a module wrapped with the legacy FSDP API."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -91,7 +97,7 @@ def test_fsdp_v1_modules_unsupported():
 
 
 @RunIf(min_torch="2.4")
-def test_configure_model_required():
+def test_configure_model_required(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     class Model1(LightningModule):
         pass
 
@@ -116,7 +122,7 @@ def test_configure_model_required():
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_storage_options(tmp_path):
+def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy does not accept storage options for saving checkpoints."""
     strategy = ModelParallelStrategy()
     with pytest.raises(
@@ -129,7 +135,7 @@ def test_save_checkpoint_storage_options(tmp_path):
 @mock.patch("lightning.pytorch.strategies.model_parallel.ModelParallelStrategy.broadcast", lambda _, x: x)
 @mock.patch("lightning.fabric.plugins.io.torch_io._atomic_save")
 @mock.patch("lightning.pytorch.strategies.model_parallel.shutil")
-def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, tmp_path):
+def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
 
     # save_distributed_checkpoint=False, path exists, path is not a sharded checkpoint: error
@@ -177,7 +183,7 @@ def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, tmp_path):
 
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True)
-def test_load_unknown_checkpoint_type(_, tmp_path):
+def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy validates the contents at the checkpoint path."""
     strategy = ModelParallelStrategy()
     strategy.model = Mock()
@@ -191,7 +197,7 @@ def test_load_unknown_checkpoint_type(_, tmp_path):
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.pytorch.strategies.model_parallel._setup_device_mesh")
 @mock.patch("torch.distributed.init_process_group")
-def test_set_timeout(init_process_group_mock, _):
+def test_set_timeout(init_process_group_mock, _, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the timeout gets passed to the ``torch.distributed.init_process_group`` function."""
     test_timedelta = timedelta(seconds=30)
     strategy = ModelParallelStrategy(timeout=test_timedelta)
@@ -212,7 +218,7 @@ def test_set_timeout(init_process_group_mock, _):
 
 
 @RunIf(min_torch="2.4")
-def test_meta_device_materialization():
+def test_meta_device_materialization(ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the `setup()` method materializes meta-device tensors in the LightningModule."""
 
     class NoResetParameters(nn.Module):
