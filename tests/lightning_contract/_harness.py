@@ -12,8 +12,10 @@ pytest command), each with its own ``tmp_path``, and a fresh process group per t
   (Lightning's ``_init_dist_connection`` then reuses it, as it reuses any initialised group), and after the body it
   waits for every rank through the store (not through gloo, so a body that failed on one rank cannot desynchronise
   the collectives of the next), destroys the group and resets dynamo, the environment and the rank globals;
-- collectives time out after ``COLLECTIVE_TIMEOUT`` instead of torch's 30 minutes, so a rank stuck in a collective
-  because a peer raised fails that body instead of the whole launch;
+- a rank whose body raised destroys its process groups and shuts down its gloo connections at once, which fails a
+  peer blocked in a collective the failed rank will never join ("Connection closed by peer"); as a backstop
+  collectives time out after ``COLLECTIVE_TIMEOUT`` instead of torch's 30 minutes, so a stuck rank fails that body,
+  not the whole launch;
 - each rank appends every body's result to a file as soon as it has it, so a launch that dies still reports the
   bodies before the crash, and the crash fails the body it happened in (and the ones after it).
 """
@@ -33,9 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-COLLECTIVE_TIMEOUT = timedelta(seconds=90)
+COLLECTIVE_TIMEOUT = timedelta(seconds=45)
 # a rank waits this long for its peers to finish a body (a peer stuck in a collective needs COLLECTIVE_TIMEOUT)
-BODY_SYNC_TIMEOUT = timedelta(seconds=150)
+BODY_SYNC_TIMEOUT = timedelta(seconds=90)
 MARKER = "contract_cpu_processes"
 
 
@@ -152,15 +154,15 @@ class BodyResult:
 
     def check(self) -> None:
         per_rank, launch_error, world_size = self._launches.result(self._item)
-        failures = []
+        failures: Dict[str, List[int]] = {}  # the same traceback on several ranks is shown once
         for rank in range(world_size):
             record = per_rank.get(rank)
             if record is None:
-                failures.append(f"rank {rank}: no result (the launch died or hung before or in this body)")
+                failures.setdefault("no result (the launch died or hung before or in this body)", []).append(rank)
             elif record["status"] != "ok":
-                failures.append(f"rank {rank} ({record['seconds']:.1f}s):\n{record['status']}")
+                failures.setdefault(record["status"], []).append(rank)
         if failures:
-            message = "\n".join(failures)
+            message = "\n".join(f"ranks {ranks} of {world_size}:\n{text}" for text, ranks in failures.items())
             if launch_error and any(per_rank.get(r) is None for r in range(world_size)):
                 message += f"\n--- launch error ---\n{launch_error}"
             raise BodyFailed(message)
@@ -173,6 +175,8 @@ def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> 
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    import lightning.fabric.wrappers
     from lightning_utilities.core.rank_zero import rank_zero_only as rank_zero_only_utilities
 
     from lightning.fabric.utilities.rank_zero import rank_zero_only as rank_zero_only_fabric
@@ -197,6 +201,7 @@ def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> 
         tmp_path = root / f"rank{rank}" / f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', job.name)}"
         tmp_path.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
+        status = "not run"
         try:
             dist.init_process_group(
                 "gloo",
@@ -212,6 +217,13 @@ def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> 
             status = "ok"
         except BaseException:
             status = traceback.format_exc()
+        if status != "ok":
+            # close this rank's gloo connections now: a peer blocked in a collective this rank will never join
+            # fails at once ("Connection closed by peer") instead of after COLLECTIVE_TIMEOUT. Destroying the groups
+            # is not enough: a group object still referenced somewhere (a compiled graph, a device mesh) keeps its
+            # sockets open, so the connected sockets are shut down too (not the store's, not listeners)
+            _release_process_groups()
+            _shut_down_peer_connections(int(os.environ["MASTER_PORT"]))
         seconds = time.monotonic() - start
         # every rank finished this body (or failed it): synchronise through the store, not through gloo
         store.set(f"done/{index}/{rank}", "1")
@@ -223,13 +235,50 @@ def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> 
             file.write(json.dumps({"nodeid": job.nodeid, "status": status, "seconds": seconds}) + "\n")
         # a fresh process group and fresh globals for the next body, as a new standalone test process would have
         os.chdir(cwd)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch._dynamo.reset()
+        _release_process_groups()
         os.environ.clear()
         os.environ.update(environment)
         for fn, value in zip(rank_functions, ranks):
             if value is not None:
                 fn.rank = value
         torch.use_deterministic_algorithms(False)
+        lightning.fabric.wrappers._in_fabric_backward = False
     return len(jobs)
+
+
+def _release_process_groups() -> None:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch._dynamo.reset()  # compiled graphs hold modules, meshes and groups
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _shut_down_peer_connections(store_port: int) -> None:
+    """Shut down every connected TCP socket of this process except the store's (gloo's pairs of this rank)."""
+    import socket
+
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue
+        try:  # borrowed: detached below, never closed here (the fd belongs to its C++ owner)
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue  # a listener: shutting gloo's down aborts the process
+            try:
+                ports = {sock.getsockname()[1], sock.getpeername()[1]}
+            except OSError:
+                continue  # not connected
+            if store_port not in ports:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()

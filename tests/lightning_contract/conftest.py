@@ -20,10 +20,16 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def contract_launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Launches:
     launches = Launches(request.session, tmp_path_factory.mktemp("lightning_contract"))
-    yield launches
-    if launches.timings:
-        summary = ", ".join(f"{side} ws={ws}: {seconds:.1f}s" for (side, ws), seconds in sorted(launches.timings.items()))
-        print(f"\nlightning_contract launches: {summary}")
+    request.config._contract_launches = launches
+    return launches
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    launches = getattr(config, "_contract_launches", None)
+    if launches is not None and launches.timings:
+        terminalreporter.write_sep("-", "lightning_contract launches (wall seconds, bodies)")
+        for (side, world_size), seconds in sorted(launches.timings.items()):
+            terminalreporter.write_line(f"{side} world_size={world_size}: {seconds:.1f}s")
 
 
 @pytest.fixture

@@ -25,15 +25,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy, _load_raw_module_state
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
-from tests_fabric.helpers.datasets import RandomDataset
-from tests_fabric.helpers.runif import RunIf
+from lightning_mixedfsdp.fabric import MixedFSDP2Strategy  # contract-port: the subclass under test
+from tests.lightning_contract._harness import cpu_processes  # CPU-port: standalone multi-GPU bodies run on CPU processes
+from tests.lightning_contract.tests_fabric.helpers.datasets import RandomDataset  # contract-port: copied helper
+from tests.lightning_contract.tests_fabric.helpers.runif import RunIf  # contract-port: copied helper
 
 
-@pytest.fixture
-def distributed():
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+def _strategy_class(request):  # contract-port: the class under test
+    return request.param  # contract-port: the class under test
+
+
+# contract-port: the `distributed` fixture (destroyed the process group) is the harness's, in conftest.py
 
 
 class FeedForward(nn.Module):
@@ -86,8 +89,9 @@ def _parallelize_feed_forward_fsdp2_tp(model, device_mesh):
     return _parallelize_feed_forward_fsdp2(model, device_mesh)
 
 
-@RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=4)
-def test_setup_device_mesh(distributed):
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=4)
+@cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
+def test_setup_device_mesh(distributed, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     from torch.distributed.device_mesh import DeviceMesh
 
     for dp_size, tp_size in ((1, 4), (4, 1), (2, 2)):
@@ -130,7 +134,8 @@ def _parallelize_with_compile(parallelize):
     return fn
 
 
-@RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=2)
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=2)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.xfail(
     raises=AssertionError,
@@ -139,7 +144,7 @@ def _parallelize_with_compile(parallelize):
     run=True,
     condition=lambda e: isinstance(e, AssertionError) and str(e).startswith("Test left zombie thread"),
 )
-def test_tensor_parallel(distributed, compile: bool):
+def test_tensor_parallel(distributed, compile: bool, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     parallelize = _parallelize_feed_forward_tp
@@ -187,9 +192,10 @@ def test_tensor_parallel(distributed, compile: bool):
         optimizer.zero_grad()
 
 
-@RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=4)
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=4)
+@cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("compile", [True, False])
-def test_fsdp2_tensor_parallel(distributed, compile):
+def test_fsdp2_tensor_parallel(distributed, compile, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     parallelize = _parallelize_feed_forward_fsdp2_tp
@@ -270,23 +276,24 @@ def _train(fabric, model=None, optimizer=None):
     return model, optimizer
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=4, standalone=True)
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=4, standalone=True)
+@cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
     "precision",
     [
         pytest.param("32-true"),
-        pytest.param("bf16-mixed", marks=RunIf(bf16_cuda=True)),
+        pytest.param("bf16-mixed"),  # CPU-port: RunIf(bf16_cuda=True) dropped: bf16 runs on CPU
     ],
 )
-def test_train_save_load(distributed, precision, tmp_path):
+def test_train_save_load(distributed, precision, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test 2D-parallel training, saving and loading precision settings."""
     strategy = ModelParallelStrategy(
         _parallelize_feed_forward_fsdp2_tp,
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cuda", devices=4, strategy=strategy, precision=precision)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -310,7 +317,7 @@ def test_train_save_load(distributed, precision, tmp_path):
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cuda", devices=4, strategy=strategy, precision=precision)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -336,8 +343,9 @@ def test_train_save_load(distributed, precision, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
-def test_save_full_state_dict(distributed, tmp_path):
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
+def test_save_full_state_dict(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that ModelParallelStrategy saves the full state into a single file with
     `save_distributed_checkpoint=False`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -348,7 +356,7 @@ def test_save_full_state_dict(distributed, tmp_path):
         tensor_parallel_size=1,
         save_distributed_checkpoint=False,
     )
-    fabric = Fabric(accelerator="cuda", strategy=strategy, devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -373,7 +381,7 @@ def test_save_full_state_dict(distributed, tmp_path):
 
     # 1. verify the FSDP state can be loaded back into a FSDP model/strategy directly
     strategy = ModelParallelStrategy(_parallelize_feed_forward_fsdp2, data_parallel_size=2, tensor_parallel_size=1)
-    fabric = Fabric(accelerator="cuda", strategy=strategy, devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -416,7 +424,7 @@ def test_save_full_state_dict(distributed, tmp_path):
 
     # 3. verify that a single-device model/strategy states can be loaded into a FSDP model/strategy
     strategy = ModelParallelStrategy(_parallelize_feed_forward_fsdp2, data_parallel_size=2, tensor_parallel_size=1)
-    fabric = Fabric(accelerator="cuda", strategy=strategy, devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -437,10 +445,11 @@ def test_save_full_state_dict(distributed, tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
-def test_load_full_state_dict_into_sharded_model(distributed, tmp_path):
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
+def test_load_full_state_dict_into_sharded_model(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the strategy can load a full-state checkpoint into a distributed model."""
-    fabric = Fabric(accelerator="cuda", devices=1)
+    fabric = Fabric(accelerator="cpu", devices=1)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.seed_everything(0)
     model, optimizer = _train(fabric)
 
@@ -454,7 +463,7 @@ def test_load_full_state_dict_into_sharded_model(distributed, tmp_path):
 
     # Create a FSDP sharded model
     strategy = ModelParallelStrategy(_parallelize_feed_forward_fsdp2, data_parallel_size=2, tensor_parallel_size=1)
-    fabric = Fabric(accelerator="cuda", strategy=strategy, devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -481,16 +490,17 @@ def test_load_full_state_dict_into_sharded_model(distributed, tmp_path):
     assert torch.equal(params_before, params_after)
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("move_to_device", [True, False])
 @mock.patch("lightning.fabric.wrappers._FabricModule")
-def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distributed):
+def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distributed, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that `move_to_device` does nothing, ModelParallel decides which device parameters get moved to which device
     (sharding)."""
     from torch.distributed._tensor import DTensor
 
     strategy = ModelParallelStrategy(parallelize_fn=_parallelize_feed_forward_fsdp2)
-    fabric = Fabric(accelerator="cuda", devices=2, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
 
     model = FeedForward()
@@ -498,28 +508,29 @@ def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distrib
     fabric_module_mock.assert_not_called()
 
     # the linear layer got sharded and each part is on the expected device
-    assert fabric_model.w1.weight.device == torch.device("cuda", fabric.local_rank)
+    assert fabric_model.w1.weight.device == torch.device("cpu")  # CPU-port: expected device cuda:local_rank -> cpu
     assert isinstance(fabric_model.w1.weight, DTensor)
 
     # The _DeviceDtypeModuleMixin currently can't represent the device in a meaningful way for models with pieces on
     # different devices
-    assert fabric_model.device == torch.device("cuda", fabric.local_rank)
-    assert fabric.device == torch.device("cuda", fabric.local_rank)
+    assert fabric_model.device == torch.device("cpu")  # CPU-port: expected device cuda:local_rank -> cpu
+    assert fabric.device == torch.device("cpu")  # CPU-port: expected device cuda:local_rank -> cpu
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize(
     ("precision", "expected_dtype"),
     [
         ("32-true", torch.float32),
         ("16-true", torch.float16),
-        pytest.param("bf16-true", torch.bfloat16, marks=RunIf(bf16_cuda=True)),
+        pytest.param("bf16-true", torch.bfloat16),  # CPU-port: RunIf(bf16_cuda=True) dropped: bf16 runs on CPU
     ],
 )
-def test_module_init_context(distributed, precision, expected_dtype):
+def test_module_init_context(distributed, precision, expected_dtype, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test that the module under the init-context gets moved to the right device and dtype."""
     strategy = ModelParallelStrategy(parallelize_fn=_parallelize_feed_forward_fsdp2)
-    fabric = Fabric(accelerator="cuda", devices=2, strategy=strategy, precision=precision)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
 
     def _run_setup_assertions(empty_init, expected_device):
@@ -531,20 +542,21 @@ def test_module_init_context(distributed, precision, expected_dtype):
         assert all(weight.dtype == expected_dtype for weight in model.parameters())
         model = fabric.setup(model)
         # Parameters get sharded in `.setup()` and moved to the target device
-        assert all(weight.device == torch.device("cuda", fabric.local_rank) for weight in model.parameters())
+        assert all(weight.device == torch.device("cpu") for weight in model.parameters())  # CPU-port: expected device cuda:local_rank -> cpu
         assert all(weight.dtype == expected_dtype for weight in model.parameters())
 
     _run_setup_assertions(empty_init=False, expected_device=torch.device("cpu"))
     _run_setup_assertions(empty_init=True, expected_device=torch.device("meta"))
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
-def test_save_filter(distributed, tmp_path):
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
+def test_save_filter(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(
         parallelize_fn=_parallelize_feed_forward_fsdp2,
         save_distributed_checkpoint=False,
     )
-    fabric = Fabric(accelerator="cuda", strategy=strategy, devices=2)
+    fabric = Fabric(accelerator="cpu", strategy=strategy, devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model = FeedForward()
     model = fabric.setup_module(model)
@@ -577,12 +589,13 @@ def _parallelize_single_linear_tp_fsdp2(model, device_mesh):
     return model
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize(
     "precision",
     [
         "32-true",
-        pytest.param("bf16-mixed", marks=RunIf(bf16_cuda=True)),
+        pytest.param("bf16-mixed"),  # CPU-port: RunIf(bf16_cuda=True) dropped: bf16 runs on CPU
     ],
 )
 @pytest.mark.parametrize(
@@ -592,7 +605,7 @@ def _parallelize_single_linear_tp_fsdp2(model, device_mesh):
         "val",
     ],
 )
-def test_clip_gradients(distributed, clip_type, precision):
+def test_clip_gradients(distributed, clip_type, precision, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(_parallelize_single_linear_tp_fsdp2)
     fabric = Fabric(accelerator="auto", devices=2, precision=precision, strategy=strategy)
     fabric.launch()
@@ -633,15 +646,16 @@ def test_clip_gradients(distributed, clip_type, precision):
     optimizer.zero_grad()
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=4, standalone=True)
-def test_save_sharded_and_consolidate_and_load(distributed, tmp_path):
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=4, standalone=True)
+@cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
+def test_save_sharded_and_consolidate_and_load(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
     """Test the consolidation of a distributed (DTensor) checkpoint into a single file."""
     strategy = ModelParallelStrategy(
         _parallelize_feed_forward_fsdp2_tp,
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cuda", devices=4, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
 
     model = FeedForward()
@@ -679,7 +693,7 @@ def test_save_sharded_and_consolidate_and_load(distributed, tmp_path):
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cuda", devices=4, strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
 
     model = FeedForward()
@@ -690,7 +704,8 @@ def test_save_sharded_and_consolidate_and_load(distributed, tmp_path):
     fabric.load(checkpoint_path_full, state)
 
 
-@RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
+@cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 def test_load_raw_module_state(distributed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -704,7 +719,7 @@ def test_load_raw_module_state(distributed):
             self.register_buffer("persistent_buffer", torch.rand(2), persistent=True)
             self.register_buffer("non_persistent_buffer", torch.rand(2), persistent=False)
 
-    fabric = Fabric(accelerator="cuda", devices=2)
+    fabric = Fabric(accelerator="cpu", devices=2)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     fabric.seed_everything(0)
 
@@ -716,7 +731,7 @@ def test_load_raw_module_state(distributed):
     with fabric.init_module():
         model = CustomModel()
 
-    device_mesh = init_device_mesh("cuda", mesh_shape=(2,), mesh_dim_names=("tp",))
+    device_mesh = init_device_mesh("cpu", mesh_shape=(2,), mesh_dim_names=("tp",))  # CPU-port: mesh device "cuda" -> "cpu"
     plan = {"layer1": ColwiseParallel()}
     parallelize_module(model, device_mesh, plan)
     _load_raw_module_state(state_dict, model, strict=True)
