@@ -79,7 +79,7 @@ class Job:
 
 
 def _skipped(item: pytest.Item) -> bool:
-    for mark in item.iter_markers("skip"):
+    if any(True for _ in item.iter_markers("skip")):
         return True
     for mark in item.iter_markers("skipif"):
         condition = mark.args[0] if mark.args else mark.kwargs.get("condition", True)
@@ -122,9 +122,7 @@ class Launches:
         from tests.distributed import run_distributed
 
         side, world_size = key
-        items = [
-            i for i in self._session.items if i.get_closest_marker(MARKER) and _key(i) == key and not _skipped(i)
-        ]
+        items = [i for i in self._session.items if i.get_closest_marker(MARKER) and _key(i) == key and not _skipped(i)]
         jobs = [_job(i) for i in items]
         directory = self._root / f"{side}-ws{world_size}"
         directory.mkdir(parents=True, exist_ok=True)
@@ -163,6 +161,11 @@ class BodyResult:
                 failures.setdefault(record["status"], []).append(rank)
         if failures:
             message = "\n".join(f"ranks {ranks} of {world_size}:\n{text}" for text, ranks in failures.items())
+            if len(failures) > 1:
+                message = (
+                    "(a rank whose traceback ends in gloo's 'Connection closed by peer' or 'Read error' was blocked in"
+                    " a collective when another rank failed: that other rank's traceback is the cause)\n" + message
+                )
             if launch_error and any(per_rank.get(r) is None for r in range(world_size)):
                 message += f"\n--- launch error ---\n{launch_error}"
             raise BodyFailed(message)
@@ -172,15 +175,13 @@ class BodyResult:
 
 
 def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> int:
+    import lightning.fabric.wrappers
     import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-
-    import lightning.fabric.wrappers
-    from lightning_utilities.core.rank_zero import rank_zero_only as rank_zero_only_utilities
-
     from lightning.fabric.utilities.rank_zero import rank_zero_only as rank_zero_only_fabric
     from lightning.pytorch.utilities.rank_zero import rank_zero_only as rank_zero_only_pytorch
+    from lightning_utilities.core.rank_zero import rank_zero_only as rank_zero_only_utilities
 
     # subgroups (device meshes, FSDP) take torch's default timeout: shorten it as for the default group
     c10d.default_pg_timeout = COLLECTIVE_TIMEOUT
@@ -238,7 +239,7 @@ def _run_bodies(rank: int, world_size: int, jobs: List[Job], directory: str) -> 
         _release_process_groups()
         os.environ.clear()
         os.environ.update(environment)
-        for fn, value in zip(rank_functions, ranks):
+        for fn, value in zip(rank_functions, ranks, strict=True):
             if value is not None:
                 fn.rank = value
         torch.use_deterministic_algorithms(False)

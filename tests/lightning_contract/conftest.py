@@ -39,15 +39,14 @@ def distributed(request: pytest.FixtureRequest, contract_launches: Launches) -> 
 
 @pytest.fixture(autouse=True)
 def preserve_global_rank_variable():
-    from lightning_utilities.core.rank_zero import rank_zero_only as rank_zero_only_utilities
-
     from lightning.fabric.utilities.rank_zero import rank_zero_only as rank_zero_only_fabric
     from lightning.pytorch.utilities.rank_zero import rank_zero_only as rank_zero_only_pytorch
+    from lightning_utilities.core.rank_zero import rank_zero_only as rank_zero_only_utilities
 
     functions = (rank_zero_only_pytorch, rank_zero_only_fabric, rank_zero_only_utilities)
     ranks = [getattr(fn, "rank", None) for fn in functions]
     yield
-    for fn, rank in zip(functions, ranks):
+    for fn, rank in zip(functions, ranks, strict=True):
         if rank is not None:
             fn.rank = rank
 
