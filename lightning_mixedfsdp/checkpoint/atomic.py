@@ -18,8 +18,9 @@ _CHECKPOINT_FILE_SUFFIXES = (".distcp",)
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    """A torch DCP folder: its ``.metadata`` file is written last, so its presence means the save completed."""
-    return path.is_dir() and (path / DCP_METADATA).is_file()
+    """A sharded checkpoint folder: torch DCP's ``.metadata`` or Lightning's ``meta.pt`` (Lightning's own test of a
+    sharded checkpoint) is in it."""
+    return path.is_dir() and any((path / name).is_file() for name in _CHECKPOINT_FILE_NAMES)
 
 
 def is_checkpoint_file(path: Path) -> bool:

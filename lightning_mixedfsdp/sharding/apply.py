@@ -114,7 +114,10 @@ def apply_parallelize(
     """The user's ``parallelize_fn`` (tensor parallelism, or their own wrappers) on the full mesh."""
     parallelized = parallelize(model, mesh)
     if not isinstance(parallelized, nn.Module):
-        raise TypeError(f"The `parallelize_fn` must return an `nn.Module`, but got {type(parallelized).__name__}.")
+        # Lightning's own words (ModelParallelStrategy.setup_module)
+        raise TypeError(
+            f"The `parallelize_fn` must return a `nn.Module` instance, but got: {type(parallelized).__name__}"
+        )
     return parallelized
 
 

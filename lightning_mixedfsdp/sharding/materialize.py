@@ -163,6 +163,12 @@ def materialize_sharded(
     finally:
         if produce is not None:
             produce.close()  # puts the last chunk's shards back
+    if initialise:
+        # every rank's generator where rank 0's init left it, as if each had run the init (as Lightning's own
+        # materialisation does): data drawn next (a dataset, dropout) stays the same on every rank
+        state: List[Any] = [torch.random.get_rng_state() if rank_zero else None]
+        dist.broadcast_object_list(state, src=0)
+        torch.random.set_rng_state(state[0])
 
 
 @dataclass

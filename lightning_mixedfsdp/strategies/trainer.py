@@ -16,7 +16,7 @@ from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin, refuse_fsdp1_modules
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
@@ -86,6 +86,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         ``reset_parameters`` on every rank's full copy."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        refuse_fsdp1_modules(self.model, type(self).__name__)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -30,7 +30,9 @@ from lightning_mixedfsdp.fabric import MixedFSDP2Strategy  # contract-port: the 
 from tests.lightning_contract.tests_fabric.helpers.runif import RunIf  # contract-port: copied helper
 
 
-@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+@pytest.fixture(
+    name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"]
+)  # contract-port: the class under test
 def _strategy_class(request):  # contract-port: the class under test
     return request.param  # contract-port: the class under test
 
@@ -59,7 +61,9 @@ def test_device_mesh_access(ModelParallelStrategy):  # contract-port: parametriz
         (2, 4, 2, 1),
     ],
 )
-def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_validate_device_mesh_dimensions(
+    num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test passing sizes that don't multiply to the world size raises an error."""
     strategy = ModelParallelStrategy(
         parallelize_fn=(lambda m, _: m),
@@ -146,7 +150,9 @@ def test_no_backward_sync(ModelParallelStrategy):  # contract-port: parametrized
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_checkpoint_storage_options(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy does not accept storage options for saving checkpoints."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     with pytest.raises(
@@ -162,7 +168,9 @@ def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # co
 @mock.patch("torch.distributed.checkpoint.state_dict.get_optimizer_state_dict", return_value={})
 @mock.patch("lightning.fabric.strategies.model_parallel.torch.save")
 @mock.patch("lightning.fabric.strategies.model_parallel.shutil")
-def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, _, __, ___, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_checkpoint_path_exists(
+    shutil_mock, torch_save_mock, _, __, ___, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m), save_distributed_checkpoint=False)
 
     # save_distributed_checkpoint=False, path exists, path is not a sharded checkpoint: error
@@ -213,7 +221,9 @@ def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, _, __, ___, t
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_checkpoint_one_dist_module_required(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can only save one distributed model per checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
 
@@ -234,7 +244,9 @@ def test_save_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrateg
 
 
 @RunIf(min_torch="2.4")
-def test_load_checkpoint_no_state(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_checkpoint_no_state(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can't load the full state without access to a model instance from
     the user."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
@@ -247,7 +259,9 @@ def test_load_checkpoint_no_state(tmp_path, ModelParallelStrategy):  # contract-
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel.ModelParallelStrategy.broadcast", lambda _, x: x)
 @mock.patch("lightning.fabric.strategies.model_parallel.torch.load", Mock())
-def test_load_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_checkpoint_one_dist_module_required(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the ModelParallelStrategy strategy can only load one distributed model per checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
 
@@ -276,7 +290,9 @@ def test_load_checkpoint_one_dist_module_required(tmp_path, ModelParallelStrateg
 
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True)
-def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_unknown_checkpoint_type(
+    _, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy validates the contents at the checkpoint path."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     model = Mock()
@@ -287,7 +303,9 @@ def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # co
 
 
 @RunIf(min_torch="2.4")
-def test_load_raw_checkpoint_validate_single_file(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_raw_checkpoint_validate_single_file(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that we validate the given checkpoint is a single file when loading a raw PyTorch state-dict checkpoint."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
     model = Mock(spec=nn.Module)
@@ -298,7 +316,9 @@ def test_load_raw_checkpoint_validate_single_file(tmp_path, ModelParallelStrateg
 
 
 @RunIf(min_torch="2.4")
-def test_load_raw_checkpoint_optimizer_unsupported(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_raw_checkpoint_optimizer_unsupported(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Validate that the ModelParallelStrategy strategy does not yet support loading the raw PyTorch state-dict for an
     optimizer."""
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m))
@@ -312,7 +332,9 @@ def test_load_raw_checkpoint_optimizer_unsupported(tmp_path, ModelParallelStrate
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._setup_device_mesh")
 @mock.patch("torch.distributed.init_process_group")
-def test_set_timeout(init_process_group_mock, _, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_set_timeout(
+    init_process_group_mock, _, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the timeout gets passed to the ``torch.distributed.init_process_group`` function."""
     test_timedelta = timedelta(seconds=30)
     strategy = ModelParallelStrategy(parallelize_fn=(lambda m, _: m), timeout=test_timedelta)

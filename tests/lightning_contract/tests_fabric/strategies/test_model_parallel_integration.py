@@ -26,12 +26,16 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy, _load_raw_module_state
 from lightning.fabric.utilities.load import _load_distributed_checkpoint
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy  # contract-port: the subclass under test
-from tests.lightning_contract._harness import cpu_processes  # CPU-port: standalone multi-GPU bodies run on CPU processes
+from tests.lightning_contract._harness import (
+    cpu_processes,
+)  # CPU-port: standalone multi-GPU bodies run on CPU processes
 from tests.lightning_contract.tests_fabric.helpers.datasets import RandomDataset  # contract-port: copied helper
 from tests.lightning_contract.tests_fabric.helpers.runif import RunIf  # contract-port: copied helper
 
 
-@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+@pytest.fixture(
+    name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"]
+)  # contract-port: the class under test
 def _strategy_class(request):  # contract-port: the class under test
     return request.param  # contract-port: the class under test
 
@@ -144,7 +148,9 @@ def _parallelize_with_compile(parallelize):
     run=True,
     condition=lambda e: isinstance(e, AssertionError) and str(e).startswith("Test left zombie thread"),
 )
-def test_tensor_parallel(distributed, compile: bool, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_tensor_parallel(
+    distributed, compile: bool, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     parallelize = _parallelize_feed_forward_tp
@@ -195,7 +201,9 @@ def test_tensor_parallel(distributed, compile: bool, ModelParallelStrategy):  # 
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=4)
 @cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("compile", [True, False])
-def test_fsdp2_tensor_parallel(distributed, compile, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_fsdp2_tensor_parallel(
+    distributed, compile, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     parallelize = _parallelize_feed_forward_fsdp2_tp
@@ -286,14 +294,18 @@ def _train(fabric, model=None, optimizer=None):
         pytest.param("bf16-mixed"),  # CPU-port: RunIf(bf16_cuda=True) dropped: bf16 runs on CPU
     ],
 )
-def test_train_save_load(distributed, precision, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_train_save_load(
+    distributed, precision, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test 2D-parallel training, saving and loading precision settings."""
     strategy = ModelParallelStrategy(
         _parallelize_feed_forward_fsdp2_tp,
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
+    fabric = Fabric(
+        accelerator="cpu", devices=4, strategy=strategy, precision=precision
+    )  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -317,7 +329,9 @@ def test_train_save_load(distributed, precision, tmp_path, ModelParallelStrategy
         data_parallel_size=2,
         tensor_parallel_size=2,
     )
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
+    fabric = Fabric(
+        accelerator="cpu", devices=4, strategy=strategy, precision=precision
+    )  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
     model, optimizer = _train(fabric)
 
@@ -345,7 +359,9 @@ def test_train_save_load(distributed, precision, tmp_path, ModelParallelStrategy
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_save_full_state_dict(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_full_state_dict(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that ModelParallelStrategy saves the full state into a single file with
     `save_distributed_checkpoint=False`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -447,11 +463,15 @@ def test_save_full_state_dict(distributed, tmp_path, ModelParallelStrategy):  # 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_load_full_state_dict_into_sharded_model(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_full_state_dict_into_sharded_model(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy can load a full-state checkpoint into a distributed model."""
     fabric = Fabric(accelerator="cpu", devices=1)  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.seed_everything(0)
-    model, optimizer = _train(fabric)
+    with fabric.init_module():  # CPU-port: empty_init=True leaves uninitialised CPU memory, different per rank
+        single_device_model = fabric.setup(FeedForward())  # CPU-port: (GPUs hand out zeroed memory); a seeded init
+    model, optimizer = _train(fabric, single_device_model)  # CPU-port: instead
 
     # Save a full-state-dict checkpoint
     checkpoint_path = Path(fabric.broadcast(str(tmp_path / "full-checkpoint.pt")))
@@ -490,11 +510,15 @@ def test_load_full_state_dict_into_sharded_model(distributed, tmp_path, ModelPar
     assert torch.equal(params_before, params_after)
 
 
-@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(
+    min_torch="2.4", skip_windows=True
+)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("move_to_device", [True, False])
 @mock.patch("lightning.fabric.wrappers._FabricModule")
-def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distributed, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_setup_module_move_to_device(
+    fabric_module_mock, move_to_device, distributed, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that `move_to_device` does nothing, ModelParallel decides which device parameters get moved to which device
     (sharding)."""
     from torch.distributed._tensor import DTensor
@@ -517,7 +541,9 @@ def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distrib
     assert fabric.device == torch.device("cpu")  # CPU-port: expected device cuda:local_rank -> cpu
 
 
-@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(
+    min_torch="2.4", skip_windows=True
+)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize(
     ("precision", "expected_dtype"),
@@ -527,10 +553,14 @@ def test_setup_module_move_to_device(fabric_module_mock, move_to_device, distrib
         pytest.param("bf16-true", torch.bfloat16),  # CPU-port: RunIf(bf16_cuda=True) dropped: bf16 runs on CPU
     ],
 )
-def test_module_init_context(distributed, precision, expected_dtype, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_module_init_context(
+    distributed, precision, expected_dtype, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the module under the init-context gets moved to the right device and dtype."""
     strategy = ModelParallelStrategy(parallelize_fn=_parallelize_feed_forward_fsdp2)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)  # CPU-port: accelerator "cuda" -> "cpu"
+    fabric = Fabric(
+        accelerator="cpu", devices=2, strategy=strategy, precision=precision
+    )  # CPU-port: accelerator "cuda" -> "cpu"
     fabric.launch()
 
     def _run_setup_assertions(empty_init, expected_device):
@@ -542,7 +572,9 @@ def test_module_init_context(distributed, precision, expected_dtype, ModelParall
         assert all(weight.dtype == expected_dtype for weight in model.parameters())
         model = fabric.setup(model)
         # Parameters get sharded in `.setup()` and moved to the target device
-        assert all(weight.device == torch.device("cpu") for weight in model.parameters())  # CPU-port: expected device cuda:local_rank -> cpu
+        assert all(
+            weight.device == torch.device("cpu") for weight in model.parameters()
+        )  # CPU-port: expected device cuda:local_rank -> cpu
         assert all(weight.dtype == expected_dtype for weight in model.parameters())
 
     _run_setup_assertions(empty_init=False, expected_device=torch.device("cpu"))
@@ -551,7 +583,9 @@ def test_module_init_context(distributed, precision, expected_dtype, ModelParall
 
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_save_filter(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_filter(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(
         parallelize_fn=_parallelize_feed_forward_fsdp2,
         save_distributed_checkpoint=False,
@@ -605,7 +639,9 @@ def _parallelize_single_linear_tp_fsdp2(model, device_mesh):
         "val",
     ],
 )
-def test_clip_gradients(distributed, clip_type, precision, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_clip_gradients(
+    distributed, clip_type, precision, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(_parallelize_single_linear_tp_fsdp2)
     fabric = Fabric(accelerator="auto", devices=2, precision=precision, strategy=strategy)
     fabric.launch()
@@ -648,7 +684,9 @@ def test_clip_gradients(distributed, clip_type, precision, ModelParallelStrategy
 
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=4, standalone=True)
 @cpu_processes(4)  # CPU-port: the standalone body runs on 4 CPU processes (run_distributed, shared launch)
-def test_save_sharded_and_consolidate_and_load(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_sharded_and_consolidate_and_load(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test the consolidation of a distributed (DTensor) checkpoint into a single file."""
     strategy = ModelParallelStrategy(
         _parallelize_feed_forward_fsdp2_tp,
@@ -731,7 +769,9 @@ def test_load_raw_module_state(distributed):
     with fabric.init_module():
         model = CustomModel()
 
-    device_mesh = init_device_mesh("cpu", mesh_shape=(2,), mesh_dim_names=("tp",))  # CPU-port: mesh device "cuda" -> "cpu"
+    device_mesh = init_device_mesh(
+        "cpu", mesh_shape=(2,), mesh_dim_names=("tp",)
+    )  # CPU-port: mesh device "cuda" -> "cpu"
     plan = {"layer1": ColwiseParallel()}
     parallelize_module(model, device_mesh, plan)
     _load_raw_module_state(state_dict, model, strict=True)

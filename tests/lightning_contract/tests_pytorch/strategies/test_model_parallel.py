@@ -30,7 +30,9 @@ from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy  # contract-port: the
 from tests.lightning_contract.tests_pytorch.helpers.runif import RunIf  # contract-port: copied helper
 
 
-@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+@pytest.fixture(
+    name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"]
+)  # contract-port: the class under test
 def _strategy_class(request):  # contract-port: the class under test
     return request.param  # contract-port: the class under test
 
@@ -59,7 +61,9 @@ def test_device_mesh_access(ModelParallelStrategy):  # contract-port: parametriz
         (2, 4, 2, 1),
     ],
 )
-def test_validate_device_mesh_dimensions(num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_validate_device_mesh_dimensions(
+    num_nodes, devices, invalid_dp_size, invalid_tp_size, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test passing sizes that don't multiply to the world size raises an error."""
     strategy = ModelParallelStrategy(
         data_parallel_size=invalid_dp_size,
@@ -122,7 +126,9 @@ def test_configure_model_required(ModelParallelStrategy):  # contract-port: para
 
 
 @RunIf(min_torch="2.4")
-def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_checkpoint_storage_options(
+    tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy does not accept storage options for saving checkpoints."""
     strategy = ModelParallelStrategy()
     with pytest.raises(
@@ -135,7 +141,9 @@ def test_save_checkpoint_storage_options(tmp_path, ModelParallelStrategy):  # co
 @mock.patch("lightning.pytorch.strategies.model_parallel.ModelParallelStrategy.broadcast", lambda _, x: x)
 @mock.patch("lightning.fabric.plugins.io.torch_io._atomic_save")
 @mock.patch("lightning.pytorch.strategies.model_parallel.shutil")
-def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_checkpoint_path_exists(
+    shutil_mock, torch_save_mock, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
 
     # save_distributed_checkpoint=False, path exists, path is not a sharded checkpoint: error
@@ -183,7 +191,9 @@ def test_save_checkpoint_path_exists(shutil_mock, torch_save_mock, tmp_path, Mod
 
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True)
-def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_unknown_checkpoint_type(
+    _, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy validates the contents at the checkpoint path."""
     strategy = ModelParallelStrategy()
     strategy.model = Mock()
@@ -197,7 +207,9 @@ def test_load_unknown_checkpoint_type(_, tmp_path, ModelParallelStrategy):  # co
 @RunIf(min_torch="2.4")
 @mock.patch("lightning.pytorch.strategies.model_parallel._setup_device_mesh")
 @mock.patch("torch.distributed.init_process_group")
-def test_set_timeout(init_process_group_mock, _, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_set_timeout(
+    init_process_group_mock, _, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the timeout gets passed to the ``torch.distributed.init_process_group`` function."""
     test_timedelta = timedelta(seconds=30)
     strategy = ModelParallelStrategy(timeout=test_timedelta)

@@ -25,11 +25,15 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy  # contract-port: the subclass under test
-from tests.lightning_contract._harness import cpu_processes  # CPU-port: standalone multi-GPU bodies run on CPU processes
+from tests.lightning_contract._harness import (
+    cpu_processes,
+)  # CPU-port: standalone multi-GPU bodies run on CPU processes
 from tests.lightning_contract.tests_pytorch.helpers.runif import RunIf  # contract-port: copied helper
 
 
-@pytest.fixture(name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"])  # contract-port: the class under test
+@pytest.fixture(
+    name="ModelParallelStrategy", params=[ModelParallelStrategy, MixedFSDP2Strategy], ids=["lightning", "mixed"]
+)  # contract-port: the class under test
 def _strategy_class(request):  # contract-port: the class under test
     return request.param  # contract-port: the class under test
 
@@ -229,7 +233,9 @@ def test_setup_device_mesh(distributed, ModelParallelStrategy):  # contract-port
     "compile",
     [True, False],
 )
-def test_tensor_parallel(distributed, compile, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_tensor_parallel(
+    distributed, compile, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     class Model(TensorParallelModel):
@@ -271,7 +277,9 @@ def test_tensor_parallel(distributed, compile, ModelParallelStrategy):  # contra
 
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", standalone=True, min_cuda_gpus=2)
 @cpu_processes(1)  # CPU-port: the standalone body (devices=1) runs on 1 CPU process (run_distributed)
-def test_model_parallel_single_file_checkpoint_with_compile(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_model_parallel_single_file_checkpoint_with_compile(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Replicate the reporter's setup: compiled model + ModelParallel single-file checkpointing."""
 
     seed_everything(0)
@@ -314,7 +322,9 @@ def test_model_parallel_single_file_checkpoint_with_compile(distributed, tmp_pat
     "compile",
     [True, False],
 )
-def test_fsdp2_tensor_parallel(distributed, compile, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_fsdp2_tensor_parallel(
+    distributed, compile, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     from torch.distributed._tensor import DTensor
 
     class Model(FSDP2TensorParallelModel):
@@ -372,7 +382,9 @@ def test_fsdp2_tensor_parallel(distributed, compile, ModelParallelStrategy):  # 
 
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_modules_without_parameters(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_modules_without_parameters(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that TorchMetrics get moved to the device despite not having any parameters."""
 
     class MetricsModel(TensorParallelModel):
@@ -385,7 +397,9 @@ def test_modules_without_parameters(distributed, tmp_path, ModelParallelStrategy
             assert self.metric.device == self.metric.tp.device == torch.device("cpu")
 
         def training_step(self, batch):
-            assert self.metric.device.type == self.metric.tp.device.type == "cpu"  # CPU-port: expected device type "cuda" -> "cpu"
+            assert (
+                self.metric.device.type == self.metric.tp.device.type == "cpu"
+            )  # CPU-port: expected device type "cuda" -> "cpu"
             self.metric(torch.rand(2, 10, device=self.device), torch.randint(0, 10, size=(2,), device=self.device))
             return super().training_step(batch)
 
@@ -416,15 +430,21 @@ def test_modules_without_parameters(distributed, tmp_path, ModelParallelStrategy
     "compile",
     [True, False],
 )
-def test_module_init_context(distributed, compile, precision, expected_dtype, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_module_init_context(
+    distributed, compile, precision, expected_dtype, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the module under the init-context gets moved to the right device and dtype."""
 
     class Model(FSDP2Model):
         def on_train_start(self):
-            assert self.model.w1.weight.device == torch.device("cpu")  # CPU-port: expected device cuda:local_rank -> cpu
+            assert self.model.w1.weight.device == torch.device(
+                "cpu"
+            )  # CPU-port: expected device cuda:local_rank -> cpu
             assert self.model.w1.weight.dtype == expected_dtype
             optimizer = self.optimizers(use_pl_optimizer=False)
-            assert optimizer.param_groups[0]["params"][0].device.type == "cpu"  # CPU-port: expected device type "cuda" -> "cpu"
+            assert (
+                optimizer.param_groups[0]["params"][0].device.type == "cpu"
+            )  # CPU-port: expected device type "cuda" -> "cpu"
 
     def _run_setup_assertions(empty_init, expected_device):
         trainer = Trainer(
@@ -453,10 +473,14 @@ def test_module_init_context(distributed, compile, precision, expected_dtype, tm
     _run_setup_assertions(empty_init=True, expected_device=torch.device("meta"))
 
 
-@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(
+    min_torch="2.4", skip_windows=True
+)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
 @pytest.mark.parametrize("save_distributed_checkpoint", [True, False])
-def test_strategy_state_dict(distributed, tmp_path, save_distributed_checkpoint, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_strategy_state_dict(
+    distributed, tmp_path, save_distributed_checkpoint, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that the strategy returns the correct state dict of the LightningModule."""
     model = FSDP2Model()
     correct_state_dict = model.state_dict()  # State dict before wrapping
@@ -488,9 +512,13 @@ def test_strategy_state_dict(distributed, tmp_path, save_distributed_checkpoint,
         assert list(state_dict.keys()) == list(correct_state_dict.keys())
 
 
-@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(
+    min_torch="2.4", skip_windows=True
+)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_load_full_state_checkpoint_into_regular_model(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_full_state_checkpoint_into_regular_model(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that a full-state checkpoint saved from a distributed model can be loaded back into a regular model."""
 
     # Save a regular full-state checkpoint from a distributed model
@@ -517,7 +545,9 @@ def test_load_full_state_checkpoint_into_regular_model(distributed, tmp_path, Mo
 
     # Create a regular model and load the checkpoint into it
     model = TemplateModel()
-    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", max_epochs=1)  # CPU-port: accelerator "gpu" -> "cpu"
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", max_epochs=1
+    )  # CPU-port: accelerator "gpu" -> "cpu"
     trainer.fit(model, ckpt_path=model_path)
     restored_model_state_dict = trainer.strategy.lightning_module_state_dict()
     restored_optimizer_state_dict = trainer.strategy.optimizer_state(model.optimizers())
@@ -531,14 +561,20 @@ def test_load_full_state_checkpoint_into_regular_model(distributed, tmp_path, Mo
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@RunIf(min_torch="2.4", skip_windows=True)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
+@RunIf(
+    min_torch="2.4", skip_windows=True
+)  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, skip_windows=True, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_load_standard_checkpoint_into_distributed_model(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_load_standard_checkpoint_into_distributed_model(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test that a regular checkpoint (weights and optimizer states) can be loaded into a distributed model."""
 
     # Save a regular DDP checkpoint
     model = TemplateModel()
-    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", max_epochs=1)  # CPU-port: accelerator "gpu" -> "cpu"
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", max_epochs=1
+    )  # CPU-port: accelerator "gpu" -> "cpu"
     trainer.fit(model)
     model_path = tmp_path / "last.ckpt"
     model_path = trainer.strategy.broadcast(model_path)
@@ -575,7 +611,9 @@ def test_load_standard_checkpoint_into_distributed_model(distributed, tmp_path, 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @RunIf(min_torch="2.4")  # CPU-port: was RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
 @cpu_processes(2)  # CPU-port: the standalone body runs on 2 CPU processes (run_distributed, shared launch)
-def test_save_load_sharded_state_dict(distributed, tmp_path, ModelParallelStrategy):  # contract-port: parametrized over the strategy class
+def test_save_load_sharded_state_dict(
+    distributed, tmp_path, ModelParallelStrategy
+):  # contract-port: parametrized over the strategy class
     """Test saving and loading with the distributed state dict format."""
 
     class CheckpointModel(FSDP2Model):
