@@ -7,7 +7,8 @@ checkpointing and compile modes.
 
 Set-ups (world size 1, ``fully_shard`` per decoder layer and the root):
   A    uniform bf16 FSDP2 by hand (the norms lose fp32: fast, numerically wrong)
-  B    mixed_fsdp2, bf16-true (fp32 norms replicated, their fp32 math recomputed in backward)
+  B    mixed_fsdp2, bf16-true (fp32 norms replicated; autograd keeps their bf16 inputs, not fp32 copies)
+  Br   B with the norms' fp32 math recomputed in backward (``recompute_keep_fp32_modules=True``)
   N    per-norm fully_shard with an fp32 policy (axolotl's approach)
   A'   uniform FSDP2 with fp32 master weights and MixedPrecisionPolicy(param_dtype=bf16): bf16-mixed's fair baseline
   D    mixed_fsdp2, bf16-mixed
@@ -52,7 +53,7 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
-GROUPS = {"bf16-true": ["A", "B", "N"], "bf16-mixed": ["A'", "D"], "peer": ["HF"]}
+GROUPS = {"bf16-true": ["A", "B", "Br", "N"], "bf16-mixed": ["A'", "D"], "peer": ["HF"]}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
@@ -68,12 +69,14 @@ def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -
     hf_config = LlamaConfig(**config, use_cache=False, attn_implementation="sdpa")
     if setup == "HF":
         return _transformers_fsdp(hf_config, mode, device)
-    model = AutoModelForCausalLM.from_config(hf_config).to(device)
+    with torch.device(device):  # HF's init on the device: seconds, not the CPU's minutes for 1.1B params
+        model = AutoModelForCausalLM.from_config(hf_config)
     meshes = build_parallel_meshes(device.type, 1, 1, 1, 1)
-    if setup in ("B", "D"):
-        flag = "bf16-true" if setup == "B" else "bf16-mixed"
+    if setup in ("B", "Br", "D"):
+        flag = "bf16-mixed" if setup == "D" else "bf16-true"
         fields: Dict[str, Any] = {"activation_checkpointing": "full" if mode == "ac" else "none"}
         fields["compile"] = mode == "compile"
+        fields["recompute_keep_fp32_modules"] = setup == "Br"
         mixed = MixedFSDPConfig(**fields)
         return shard_model(model, mixed, mixed.bulk_dtypes(flag), meshes, device).module
     return _by_hand(model, setup, mode, meshes.fsdp)
@@ -113,7 +116,8 @@ def _transformers_fsdp(hf_config: Any, mode: str, device: torch.device) -> nn.Mo
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).to(device)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     if mode == "ac":
         model.gradient_checkpointing_enable()
     distributed = DistributedConfig(fsdp_size=1)
@@ -126,7 +130,7 @@ def _transformers_fsdp(hf_config: Any, mode: str, device: torch.device) -> nn.Mo
 
 def clip(model: nn.Module, setup: str) -> None:
     """Fabric's default clipping, error_if_nonfinite=True: ours for B and D, torch's for the rest."""
-    if setup in ("B", "D"):
+    if setup in ("B", "Br", "D"):
         from lightning_mixedfsdp import clip_grad_norm_
 
         clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
@@ -222,6 +226,35 @@ def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
     return counts
 
 
+def nonfinite(config: Dict[str, Any]) -> Dict[str, Any]:
+    """Where a non-finite norm with ``error_if_nonfinite=True`` surfaces on CUDA: not at the clip (no host sync),
+    at the next call that waits for the GPU; the optimizer step queued after the failed assert never runs."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    model = build("B", config, "eager", device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    tokens = torch.randint(0, config["vocab_size"], (1, 16)).to(device)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    first = next(p for p in model.parameters() if p.grad is not None)
+    first.grad.to_local().fill_(float("inf"))  # type: ignore[union-attr]
+    events: List[str] = []
+    clip(model, "B")
+    events.append("clip returned")
+    optimizer.step()
+    events.append("optimizer step returned")
+    try:
+        torch.cuda.synchronize()
+        events.append("synchronize returned")
+    except RuntimeError as error:
+        events.append(f"synchronize raised: {str(error).splitlines()[0]}")
+    return {"events": events}
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
@@ -239,6 +272,8 @@ def _child(args: argparse.Namespace) -> None:
     config = TINY if args.tiny else LLAMA_1B
     if args.host_syncs:
         result: Any = host_syncs(config, args.batch, args.seq)
+    elif args.nonfinite:
+        result = nonfinite(TINY)
     else:
         result = measure(args.setups.split(","), config, args.mode, args.steps, args.warmup, args.batch, args.seq)
     print("RESULT " + json.dumps(result))
@@ -260,6 +295,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--setups", default="", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--host-syncs", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nonfinite", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--modes", nargs="+", default=["eager", "ac", "compile"])
@@ -291,6 +327,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             print(json.dumps({k: v for k, v in results.items() if k.startswith(mode)}), flush=True)
     if args.device == "cuda" and torch.cuda.is_available():
         results["host_syncs"] = _run_child(["--host-syncs", *shared])
+        results["nonfinite"] = _run_child(["--nonfinite"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(format_table(results, TINY if args.tiny else LLAMA_1B))
@@ -306,7 +343,7 @@ def format_table(results: Dict[str, Any], config: Dict[str, Any]) -> str:
         if "/" not in key or not isinstance(value, dict):
             continue
         mode = key.split("/")[0]
-        rows = value if "error" not in value and not {"step_ms"} <= set(value) else {key.split("/")[1]: value}
+        rows = value if "error" not in value else {key.split("/")[1]: value}
         for setup, row in rows.items():
             if "error" in row or "step_ms" not in row:
                 lines.append(f"| {mode} | {setup} | error: {str(row.get('error', row))[-120:]!r} | | | | |")
@@ -321,6 +358,8 @@ def format_table(results: Dict[str, Any], config: Dict[str, Any]) -> str:
             )
     if "host_syncs" in results:
         lines.append(f"host syncs per step of B: {results['host_syncs']}")
+    if "nonfinite" in results:
+        lines.append(f"a non-finite norm with error_if_nonfinite=True: {results['nonfinite']}")
     return "\n".join(lines)
 
 
@@ -328,7 +367,7 @@ def _baseline(results: Dict[str, Any], mode: str, setup: str) -> Optional[float]
     """A for A, B, N and HF; A' for A' and D."""
     name = "A'" if setup in ("A'", "D") else "A"
     group = "bf16-mixed" if name == "A'" else "bf16-true"
-    row = results.get(f"{mode}/{group}", {}).get(name) or results.get(f"{mode}/{name}")
+    row = results.get(f"{mode}/{group}", {}).get(name) or results.get(f"{mode}/{name}", {}).get(name)
     return row["step_ms"] if isinstance(row, dict) and "step_ms" in row else None
 
 

@@ -6,7 +6,7 @@ on every version in ``pyproject.toml``'s range (2.11 to 2.14); ``tests/test_torc
 function on the installed version.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -131,6 +131,19 @@ def inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def active_saved_tensor_hooks() -> Optional[Tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
+    """The (pack, unpack) saved-tensor hooks in force right now (an activation checkpoint's, a user's), if any.
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` is private, checked on torch 2.11 to 2.14."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def inside_activation_checkpoint() -> bool:
+    """Whether the hooks in force are ``torch.utils.checkpoint``'s (non-reentrant: its forward or its recompute),
+    told by the module that defines them (checked on torch 2.11 to 2.14)."""
+    hooks = active_saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
 # ---- activation checkpointing ---------------------------------------------------------------------------------------
 
 
@@ -162,6 +175,24 @@ def assert_on_device(condition: Tensor, message: str) -> None:
     to 2.14). On CUDA a failed assert aborts the kernels queued after it and surfaces as a RuntimeError
     ("device-side assert triggered") at the next call that waits for the device."""
     torch._assert_async(condition, message)
+
+
+# ---- pytrees ---------------------------------------------------------------------------------------------------------
+
+
+def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
+    """Leaves and structure of nested tuples, lists, dicts and registered containers (HF ``ModelOutput``).
+    ``torch.utils._pytree`` is private, checked on torch 2.11 to 2.14."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)
+
+
+def tree_unflatten(leaves: List[Any], spec: Any) -> Any:
+    """The inverse of :func:`tree_flatten` (``torch.utils._pytree``, private, checked on torch 2.11 to 2.14)."""
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    return unflatten(leaves, spec)
 
 
 # ---- module internals -----------------------------------------------------------------------------------------------

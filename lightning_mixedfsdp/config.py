@@ -83,10 +83,12 @@ class MixedFSDPConfig:
     compile: bool = False
     """``torch.compile`` each wrap unit before sharding (torchtitan's per-block compile)."""
 
-    recompute_keep_fp32_modules: bool = True
-    """Recompute the fp32 math of keep-fp32 modules (inputs cast up, compute, outputs cast down) in backward instead
-    of saving fp32 copies of their activations: backward keeps the module's bf16 input only, and the fp32 math is
-    bit for bit the same. ``False`` saves the fp32 activations (more memory, no recompute)."""
+    recompute_keep_fp32_modules: bool = False
+    """Recompute the fp32 math of keep-fp32 modules (inputs cast up, compute, outputs cast down) in backward, keeping
+    only their bf16 inputs: less activation memory than uniform bf16 (an HF RMSNorm saves an fp32 copy of its input
+    even in bf16), bit for bit the same math, at the cost of the recompute (about 10 % of an eager step of a 1.1B
+    Llama on an H100, 2 % compiled). Off, autograd still keeps the bf16 input instead of its fp32 upcast: the memory
+    of uniform bf16, no recompute. Inside activation checkpointing neither applies."""
 
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""

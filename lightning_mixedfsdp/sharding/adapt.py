@@ -1,9 +1,9 @@
 """Modules the plan singles out, adapted by class: dtype boundaries and local views of replicated params.
 
 - **Dtype boundary**: a module computing in another dtype than its caller (a keep-fp32 norm among bf16 blocks)
-  gets its floating inputs cast to its compute dtype and its outputs cast back. With ``recompute`` the cast-compute-
-  cast region runs under ``torch.utils.checkpoint``: backward keeps only the (bf16) input and recomputes the fp32
-  math, bit for bit, instead of saving fp32 copies of the activations.
+  gets its floating inputs cast to its compute dtype and its outputs cast back. Autograd saves the bf16 input
+  instead of its fp32 upcast (``activations.py``: bit for bit the same math, no fp32 copy of the activation kept);
+  with ``recompute`` the whole region is recomputed in backward instead.
 - **Local views**: a replicated param is a Replicate DTensor in ``_parameters`` (what optimizers, clipping and DCP
   see); reading the attribute (``norm.weight``) gives its local tensor in the compute dtype, which unmodified module
   code (HF's included) can mix with plain activations.
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_mixedfsdp._torch_compat import own_parameters
+from lightning_mixedfsdp.sharding.activations import narrow_saves, recomputed
 from lightning_mixedfsdp.sharding.tensors import cast_floating
 
 
@@ -109,22 +110,39 @@ def _local_view(name: str, dtype: torch.dtype) -> Any:
 
 def _boundary_forward(forward: Any, boundary: Boundary) -> Any:
     def run(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        args, kwargs = cast_floating((args, kwargs), boundary.compute)
-        output = forward(module, *args, **kwargs)
-        return output if boundary.output is None else cast_floating(output, boundary.output)
-
-    def adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # the region runs with its compute dtype as the default dtype: tensors it creates are in the dtype it
         # computes in, and a recompute in backward (outside Lightning's bf16 forward context) creates the same ones
-        # (torch 2.11's checkpoint compares a default-dtype tensor of its own between forward and recompute)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(boundary.compute)
         try:
-            if boundary.recompute and torch.is_grad_enabled():
-                return checkpoint(run, self, args, kwargs, use_reentrant=False)
-            return run(self, args, kwargs)
+            upcasts: List[Tuple[Tensor, Tensor]] = []
+
+            def cast_in(tensor: Tensor) -> Tensor:
+                if not tensor.is_floating_point() or tensor.dtype == boundary.compute:
+                    return tensor
+                wide = tensor.to(boundary.compute)
+                if wide.element_size() > tensor.element_size():
+                    upcasts.append((tensor, wide))
+                return wide
+
+            if not kwargs and all(isinstance(arg, Tensor) for arg in args):  # a norm's (hidden_states,)
+                args = tuple(cast_in(arg) for arg in args)
+            else:
+                args, kwargs = apply_to_collection((args, kwargs), Tensor, cast_in)
+            with narrow_saves(upcasts, type(module).__name__):
+                output = forward(module, *args, **kwargs)
+            if boundary.output is None:
+                return output
+            if isinstance(output, Tensor):
+                return output.to(boundary.output) if output.is_floating_point() else output
+            return cast_floating(output, boundary.output)
         finally:
             torch.set_default_dtype(previous)
+
+    def adapted_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if boundary.recompute and torch.is_grad_enabled():
+            return recomputed(run, self, args, kwargs)
+        return run(self, args, kwargs)
 
     return adapted_forward
 
