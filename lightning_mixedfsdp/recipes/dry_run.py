@@ -81,7 +81,7 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.recipe:
         from lightning_mixedfsdp.recipes.loader import load_recipe
 
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, launching=False)
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
