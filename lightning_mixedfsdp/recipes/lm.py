@@ -11,6 +11,7 @@ from torch import nn
 from torchmetrics.text import Perplexity
 
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
 from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
 
 
@@ -78,9 +79,23 @@ class CausalLM(pl.LightningModule):
             return self.model(tokens)
         return self.model(input_ids=tokens).logits
 
+    def on_train_start(self) -> None:
+        """The learning rate is a pure function of the step and this command's ``lr``, ``warmup_steps`` and
+        ``max_steps``, as the data order is of the step: a resumed run restores the scheduler's step, and a run
+        extended with a larger ``max_steps`` continues on the cosine planned to the new end (the LR rises from
+        where the shorter schedule left it to the new curve's value at this step). The checkpoint's optimizer and
+        scheduler hold the old run's rates; set them from the plan."""
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        factor = warmup_cosine(self.global_step, self.warmup_steps, self.max_steps)
+        scheduler.base_lrs = [self.lr for _ in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * factor
+
     def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
         loss = causal_lm_loss(self.logits(tokens), tokens)
         self.log("train_loss", loss, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
         return loss
 
     def validation_step(self, tokens: torch.Tensor, _: int) -> None:
@@ -94,6 +109,8 @@ class CausalLM(pl.LightningModule):
         rank_zero_info(f"held-out perplexity ({when}): {perplexity.item():.2f}")
         if not self.trainer.sanity_checking:
             self.log("val_ppl", perplexity, prog_bar=True, sync_dist=True)  # equal on all ranks already
+        elif self.logger is not None:  # Lightning keeps what the sanity check logs from the loggers; write it at step 0
+            self.logger.log_metrics({UNTRAINED_PPL: perplexity.item()}, step=0)
 
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
