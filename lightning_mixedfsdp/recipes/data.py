@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.inputs import JSONL_SUFFIX, data_files
 from lightning_mixedfsdp.recipes.schema import DataSection
@@ -241,6 +242,7 @@ class TextCorpus(pl.LightningDataModule):
         self.train_set: Optional[PackedWindows] = None
         self.val_set: Optional[PackedWindows] = None
 
+    @override
     def setup(self, stage: str) -> None:
         data = self.data
         train, held_out = split_documents(read_documents(data), self.tokenizer, data.held_out_every, data.max_bytes)
@@ -260,6 +262,7 @@ class TextCorpus(pl.LightningDataModule):
         kwargs = strategy.distributed_sampler_kwargs
         return kwargs["num_replicas"], kwargs["rank"]
 
+    @override
     def train_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         # restored before this hook runs: a resumed run starts after the micro-batches its checkpoint consumed
@@ -274,6 +277,7 @@ class TextCorpus(pl.LightningDataModule):
         sampler = StreamSampler(len(self.train_set), batch, ranks, rank, self.seed, start, self.micro_batches)
         return StreamLoader(self.train_set, batch_size=batch, sampler=sampler, drop_last=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         assert self.val_set is not None

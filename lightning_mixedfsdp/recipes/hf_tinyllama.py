@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from typing_extensions import override
 
 from .models import Block, Mixer, RMSNorm, TinyLlamaConfig, causal_lm_loss
 
@@ -72,22 +73,27 @@ class TinyLlamaForCausalLM(PreTrainedModel, GenerationMixin):
         return output.to(self.tok_embeddings.weight.dtype)
 
     @torch.no_grad()
+    @override
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, (RMSNorm, Mixer)):
             module.reset_parameters()
 
+    @override
     def get_input_embeddings(self) -> nn.Embedding:
         return self.tok_embeddings
 
+    @override
     def set_input_embeddings(self, value: nn.Module) -> None:
         assert isinstance(value, nn.Embedding)
         self.tok_embeddings = value
 
+    @override
     def get_output_embeddings(self) -> nn.Linear:
         return self.output
 
+    @override
     def forward(
         self,
         input_ids: torch.Tensor,

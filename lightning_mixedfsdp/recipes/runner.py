@@ -128,7 +128,8 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     outcome = Outcome(module.untrained_perplexity, module.perplexities.get(f"step {steps}"), steps)
     if trainer.is_global_zero:
         metrics = read_metrics(folder.logs)
-        outcome.untrained = outcome.untrained or next(iter(metrics.get(UNTRAINED_PPL, {}).values()), None)
+        if outcome.untrained is None:  # a resumed launch: the first launch logged it
+            outcome.untrained = next(iter(metrics.get(UNTRAINED_PPL, {}).values()), None)
         plot_metrics(metrics, folder.plot, f"{folder.root}: {steps} steps")
     if checkpoints.stopped_at is not None:
         outcome.stopped_by = stop
