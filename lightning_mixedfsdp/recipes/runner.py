@@ -6,7 +6,8 @@ trains with a progress bar, reports held-out perplexity before and after, saves 
 ``adapter/`` (PEFT's format), ``metrics.png`` (loss and perplexity against the step), ``console.log``.
 
 ``--resume last`` continues from the run's newest checkpoint with the same data stream; with a larger
-``trainer.max_steps`` it trains on to it. Ctrl-C or SIGTERM saves ``last.ckpt`` at the next step boundary and exits.
+``trainer.max_steps`` it trains on to it. Ctrl-C or SIGTERM saves ``last.ckpt`` at the next step boundary and exits;
+a second one aborts at once.
 ``--dry-run`` prints the plan and the per-rank memory and trains nothing.
 """
 
