@@ -1,8 +1,10 @@
 """Safetensors export in the HF layout: every tensor in the dtype its plan keeps (fp32) or the export's dtype."""
 
+import copy
 import json
+import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Collection, Dict, List, Optional, cast
+from typing import TYPE_CHECKING, Collection, Dict, Iterable, List, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,12 +21,33 @@ SINGLE_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
 
 
+def save_safetensors(tensors: Dict[str, Tensor], path: Path, metadata: Dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, with the file's mode set as ``open()`` would set it: safetensors writes a
+    temporary file (mode 0600) and renames it, so an export would be readable by its owner only while the
+    ``config.json`` beside it is world-readable."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where Linux reports it (``os.umask`` sets it to read it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_safetensors(
     state: Dict[str, Tensor], directory: Path, max_shard_bytes: int, metadata: Optional[Dict[str, str]] = None
 ) -> List[Path]:
     """HF layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus an index."""
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     shards: List[Dict[str, Tensor]] = [{}]
     size = 0
@@ -37,12 +60,12 @@ def write_safetensors(
         size += nbytes
     metadata = {"format": "pt", **(metadata or {})}
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_FILE), metadata=metadata)
+        save_safetensors(shards[0], directory / SINGLE_FILE, metadata)
         return [directory / SINGLE_FILE]
     files = [directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(files, shards, strict=True):
-        save_file(shard, str(file), metadata=metadata)
+        save_safetensors(shard, file, metadata)
         weight_map.update(dict.fromkeys(shard, file.name))
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -61,8 +84,9 @@ def export_model(
 
     The tensors ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other floating
     tensor in ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the
-    export. A PEFT model is exported merged (its adapters folded into the base weights, by peft's own
-    ``merge_and_unload``), under the base model's names. Returns the written files on rank 0, None elsewhere.
+    export; its ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value (:func:`lossless_dtype`).
+    A PEFT model is exported merged (its adapters folded into the base weights, by peft's own ``merge_and_unload``),
+    under the base model's names. Returns the written files on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 
@@ -81,8 +105,20 @@ def export_model(
     files = write_safetensors(converted, directory, max_shard_bytes)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
+        config = copy.deepcopy(config)
+        config.dtype = lossless_dtype(converted.values())
         config.save_pretrained(str(directory))
     return files
+
+
+def lossless_dtype(tensors: Iterable[Tensor]) -> Optional[torch.dtype]:
+    """The one dtype every floating tensor loads into exactly: theirs if they share one, else fp32. Written as the
+    HF config's ``dtype``: ``from_pretrained(directory)`` (``dtype="auto"``) casts every tensor to it, so with the
+    export's bf16 dtype it would round the fp32 norms to bf16."""
+    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    if len(dtypes) <= 1:
+        return dtypes.pop() if dtypes else None
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]]:
@@ -91,7 +127,6 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     rank 0 writes. The adapter keeps its storage dtype (fp32 master weights under ``bf16-mixed``)."""
     import torch.distributed as dist
     from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
 
     model = unwrap_model(model)
     if not is_peft_model(model):
@@ -107,7 +142,7 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / ADAPTER_FILE
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(path), metadata={"format": "pt"})
+    save_safetensors({n: t.contiguous() for n, t in weights.items()}, path, {"format": "pt"})
     model.peft_config[adapter].save_pretrained(str(directory))
     return [path]
 
@@ -123,8 +158,6 @@ def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
 def _merged_peft_state(model: "PeftModel", state: Dict[str, Tensor]) -> Dict[str, Tensor]:
     """The merged weights of a PEFT model under its base model's names, computed by peft on an unsharded copy that
     rank 0 builds from the base model's class and config (the export needs the full model on rank 0 anyway)."""
-    import copy
-
     from peft import get_peft_model
 
     base = model.get_base_model()

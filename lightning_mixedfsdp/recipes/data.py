@@ -10,14 +10,15 @@ saw (no dependence on Lightning's sampler epochs or on batches prefetched before
 import json
 import sysconfig
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from typing_extensions import override
 
-from lightning_mixedfsdp.recipes.inputs import data_files
+from lightning_mixedfsdp.recipes.inputs import JSONL_SUFFIX, data_files
 from lightning_mixedfsdp.recipes.schema import DataSection
 
 Document = Union[str, bytes]
@@ -69,17 +70,32 @@ def make_tokenizer(spec: str) -> Union[ByteTokenizer, HFTokenizer]:
 
 
 def read_documents(data: DataSection) -> Iterator[Document]:
-    """The stdlib files as bytes, or each ``.txt`` file and each ``.jsonl`` line's text field, in a stable order."""
-    files, _ = data_files(data)
+    """The stdlib files, or each text file and each ``.jsonl`` line's text field, in a stable order. Files are read as
+    bytes: the byte tokenizer takes them as they are, an HF tokenizer decodes them."""
     if not data.files:
         yield from (path.read_bytes() for path in stdlib_files())
         return
+    files, _ = data_files(data)
     for path in files:
-        if path.suffix == ".txt":
-            yield path.read_text(encoding="utf-8")
-        else:
+        if path.suffix == JSONL_SUFFIX:
             with path.open(encoding="utf-8") as lines:
                 yield from (json.loads(line)[data.text_field] for line in lines if line.strip())
+        else:
+            yield path.read_bytes()
+
+
+def assign_splits(documents: Iterator[Document], held_out_every: int, max_bytes: int) -> Iterator[Tuple[int, Document]]:
+    """``(split, document)`` in reading order: split 1 (held out) for every ``held_out_every``-th document, starting
+    with the first, 0 (training) for the others; a split takes no more documents once it holds ``max_bytes``."""
+    sizes = [0, 0]
+    for index, document in enumerate(documents):
+        split = 1 if index % held_out_every == 0 else 0
+        if sizes[split] >= max_bytes:
+            if min(sizes) >= max_bytes:
+                return
+            continue
+        sizes[split] += len(document)
+        yield split, document
 
 
 def split_documents(
@@ -88,16 +104,58 @@ def split_documents(
     """Token ids of the training documents and of the held-out ones (every ``held_out_every``-th), each split capped
     at ``max_bytes`` of text."""
     splits: Tuple[List[int], List[int]] = ([], [])
-    sizes = [0, 0]
-    for index, document in enumerate(documents):
-        split = 1 if index % held_out_every == 0 else 0
-        if sizes[split] >= max_bytes:
-            if min(sizes) >= max_bytes:
-                break
-            continue
-        sizes[split] += len(document)
+    for split, document in assign_splits(documents, held_out_every, max_bytes):
         splits[split].extend(tokenizer.encode(document))
     return torch.tensor(splits[0], dtype=torch.long), torch.tensor(splits[1], dtype=torch.long)
+
+
+def window_problem(
+    train_tokens: int, held_out_tokens: int, data: DataSection, ranks: int, documents: Optional[int] = None
+) -> Optional[str]:
+    """Too little text: training needs one window of ``seq_len`` tokens, the held-out split one per data-parallel
+    rank (each rank evaluates its own share). None when there is enough. ``documents``: how many were read, when
+    known, to say that a single document is all held out."""
+    short = []
+    if train_tokens < data.seq_len:
+        short.append(f"{train_tokens} training tokens (one window needs {data.seq_len})")
+    if held_out_tokens < data.seq_len * ranks:
+        short.append(
+            f"{held_out_tokens} held-out tokens ({ranks} data-parallel ranks need {data.seq_len * ranks}, a window"
+            " each)"
+        )
+    if not short:
+        return None
+    if train_tokens == 0 and documents is not None and documents <= 1:
+        fixes = (
+            f"data.files gives {documents} document (a text file is one document, a .jsonl line one) and the first"
+            " document is held out for evaluation; give two or more files, or a .jsonl with a document per line"
+        )
+    elif train_tokens < data.seq_len <= held_out_tokens:
+        fixes = f"add text, lower data.seq_len, or raise data.held_out_every={data.held_out_every}"
+    elif held_out_tokens < data.seq_len * ranks <= train_tokens:
+        fixes = f"add text, lower data.seq_len, or lower data.held_out_every={data.held_out_every}"
+    else:
+        fixes = "add text or lower data.seq_len"
+    return (
+        f"data: too little text: {' and '.join(short)}; every data.held_out_every-th document is held out, starting"
+        f" with the first; {fixes}"
+    )
+
+
+def data_problems(data: DataSection, ranks: int) -> List[str]:
+    """:func:`window_problem` before launch: the documents are read and tokenized only until both splits have
+    enough, so a large corpus costs one window's worth of work."""
+    if data.val_windows < ranks:
+        return [f"data.val_windows={data.val_windows} must be >= the {ranks} data-parallel ranks (a window each)"]
+    tokenizer = make_tokenizer(data.tokenizer)
+    counts, documents = [0, 0], 0
+    for split, document in assign_splits(read_documents(data), data.held_out_every, data.max_bytes):
+        counts[split] += len(tokenizer.encode(document))
+        documents += 1
+        if counts[0] >= data.seq_len and counts[1] >= data.seq_len * ranks:
+            return []
+    problem = window_problem(counts[0], counts[1], data, ranks, documents)
+    return [problem] if problem is not None else []
 
 
 class PackedWindows(Dataset):
@@ -137,14 +195,18 @@ ConsecutiveWindows = PackedWindows
 class StreamSampler(Sampler[int]):
     """This rank's share of a global stream of window indices: epoch after epoch, each a seeded permutation of the
     windows; global micro-batch ``b`` takes positions ``b * batch * ranks`` onwards, this rank its own ``batch``
-    of them. Starts at micro-batch ``start`` and stops before ``stop``."""
+    of them. Yields micro-batches ``start`` to ``stop - 1``.
+
+    Its length is the whole stream's, ``stop`` micro-batches, from the first: a run is one Lightning epoch however
+    often it was resumed (every checkpoint is saved inside it), and a resumed Lightning counts the epoch's batches
+    from where its checkpoint left off, so that epoch ends with the stream, at ``max_steps``."""
 
     def __init__(self, windows: int, batch: int, ranks: int, rank: int, seed: int, start: int, stop: int) -> None:
         self.windows, self.batch, self.ranks, self.rank = windows, batch, ranks, rank
         self.seed, self.start, self.stop = seed, start, stop
 
     def __len__(self) -> int:
-        return max(self.stop - self.start, 0) * self.batch
+        return self.stop * self.batch
 
     def __iter__(self) -> Iterator[int]:
         epoch, order = -1, torch.empty(0, dtype=torch.long)
@@ -155,6 +217,18 @@ class StreamSampler(Sampler[int]):
                     epoch = position // self.windows
                     order = torch.randperm(self.windows, generator=torch.Generator().manual_seed(self.seed + epoch))
                 yield int(order[position % self.windows])
+
+
+class StreamLoader(DataLoader):
+    """The training loader, resumable: its position is the restored step (``StreamSampler``'s start), so its own
+    state is empty. Declaring it (Lightning's ``state_dict``/``load_state_dict`` protocol) tells Lightning that a
+    checkpoint saved inside the epoch resumes exactly; it would warn otherwise."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        pass
 
 
 class TextCorpus(pl.LightningDataModule):
@@ -168,16 +242,15 @@ class TextCorpus(pl.LightningDataModule):
         self.train_set: Optional[PackedWindows] = None
         self.val_set: Optional[PackedWindows] = None
 
+    @override
     def setup(self, stage: str) -> None:
         data = self.data
         train, held_out = split_documents(read_documents(data), self.tokenizer, data.held_out_every, data.max_bytes)
+        problem = window_problem(len(train), len(held_out), data, self._data_parallel()[0])
+        if problem is not None:  # the launcher checked the same before any process started
+            raise ValueError(problem)
         self.train_set = PackedWindows(train, data.seq_len)
         self.val_set = PackedWindows(held_out, data.seq_len, data.val_windows)
-        if len(self.train_set) == 0 or len(self.val_set) == 0:
-            raise ValueError(
-                f"TextCorpus: {len(train)} training and {len(held_out)} held-out tokens give no full window of"
-                f" data.seq_len={data.seq_len}; add text, lower data.seq_len or data.held_out_every."
-            )
 
     def _launched(self) -> pl.Trainer:
         assert self.trainer is not None, "the data module is used by a Trainer"
@@ -189,17 +262,25 @@ class TextCorpus(pl.LightningDataModule):
         kwargs = strategy.distributed_sampler_kwargs
         return kwargs["num_replicas"], kwargs["rank"]
 
+    @override
     def train_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         # restored before this hook runs: a resumed run starts after the micro-batches its checkpoint consumed
         trainer = self._launched()
         start = trainer.global_step * trainer.accumulate_grad_batches
+        if start < self.micro_batches:
+            # a run extended from its final checkpoint: that checkpoint's batch was the last of the shorter stream,
+            # and Lightning, restoring that mark, would end the epoch and the fit before training; the stream goes on
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = False
         assert self.train_set is not None
         batch = self.data.batch_size
         sampler = StreamSampler(len(self.train_set), batch, ranks, rank, self.seed, start, self.micro_batches)
-        return DataLoader(self.train_set, batch_size=batch, sampler=sampler, drop_last=True)
+        return StreamLoader(self.train_set, batch_size=batch, sampler=sampler, drop_last=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         assert self.val_set is not None
-        return DataLoader(Subset(self.val_set, range(rank, len(self.val_set), ranks)), batch_size=self.data.batch_size)
+        # an equal share per rank: each forward all-gathers, so a rank with one more batch would wait forever
+        windows = len(self.val_set) - len(self.val_set) % ranks
+        return DataLoader(Subset(self.val_set, range(rank, windows, ranks)), batch_size=self.data.batch_size)

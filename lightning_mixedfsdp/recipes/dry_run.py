@@ -19,6 +19,7 @@ from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
 from lightning_mixedfsdp.sharding.memory import MemoryEstimate, estimate_memory
 from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
+from lightning_mixedfsdp.sharding.report import format_bytes, format_count
 
 
 def build_on_meta(config: Any) -> nn.Module:
@@ -46,17 +47,17 @@ def format_summary(
         "collectives per step: " + ", ".join(f"{k} {v}" for k, v in collectives.items()),
         "training state per rank (activations not included):",
     ]
-    lines += [f"  {name:<13}{_gib(value)}" for name, value in estimate.rows().items()]
-    lines.append(f"  of which replicated params add {_gib(estimate.replicated)} over full sharding")
+    lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
+    lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
     if gpu_memory_gb is not None:
         left = gpu_memory_gb * 2**30 - estimate.total
-        verdict = f"fits, {_gib(left)} left for activations" if left >= 0 else f"does not fit: short by {_gib(-left)}"
+        verdict = (
+            f"fits, {format_bytes(left)} left for activations"
+            if left >= 0
+            else f"does not fit: short by {format_bytes(-left)}"
+        )
         lines.append(f"  on a {gpu_memory_gb:g} GiB GPU: {verdict}")
     return "\n".join(lines)
-
-
-def _gib(value: float) -> str:
-    return f"{value / 2**30:.2f} GiB"
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -80,7 +81,7 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.recipe:
         from lightning_mixedfsdp.recipes.loader import load_recipe
 
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, launching=False)
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
@@ -106,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
-    print(f"{type(model).__name__}: {params / 1e9:.2f}B params, {precision}, planned in {seconds:.1f} s on meta")
+    print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
     print(plan.report())
     print()
     print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))

@@ -8,7 +8,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
 
-TEXT_SUFFIXES = (".txt", ".jsonl")
+JSONL_SUFFIX = ".jsonl"
+"""A document per line, its text in ``data.text_field``; any other UTF-8 text file is one document."""
+SNIFF_BYTES = 65536
+"""How much of each file is checked for being text before launch."""
 
 
 def load_hf_config(source: Any) -> Any:
@@ -42,26 +45,51 @@ def hf_config_fields(source: Any) -> dict:
 
 
 def data_files(data: DataSection) -> Tuple[List[Path], List[str]]:
-    """The files ``data.files`` names (globs expanded, sorted), and the problems with them."""
+    """The files ``data.files`` names (globs expanded, directories walked, sorted), and the problems with them: a
+    pattern that matches nothing, a file that is not UTF-8 text."""
     files: List[Path] = []
     problems = []
     for pattern in data.files:
         matched = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
         if not matched:
             problems.append(f"data.files: {pattern!r} matches no file; fix the path or the glob")
-        for path in matched:
-            if path.suffix not in TEXT_SUFFIXES:
-                problems.append(f"data.files: {str(path)!r} is neither .txt nor .jsonl; convert it or leave it out")
-            else:
+        for path in (file for match in matched for file in _walk(match)):
+            problem = _text_problem(path)
+            if problem is None:
                 files.append(path)
+            else:
+                problems.append(f"data.files: {str(path)!r} {problem}; leave it out or convert it to text")
     return files, problems
+
+
+def _walk(path: Path) -> List[Path]:
+    """A file, or every file under a directory (hidden ones left out, e.g. ``.git``)."""
+    if not path.is_dir():
+        return [path]
+    found = (p for p in path.rglob("*") if p.is_file())
+    return sorted(p for p in found if not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def _text_problem(path: Path) -> Optional[str]:
+    """Why ``path`` is not a text document (judged by its first bytes), or None."""
+    import codecs
+
+    with path.open("rb") as handle:
+        head = handle.read(SNIFF_BYTES)
+    if b"\0" in head:
+        return "is binary (it holds NUL bytes)"
+    try:  # a character the sniff cut at its end is fine; at the file's end it is not
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as error:
+        return f"is not UTF-8 text (byte {error.start})"
+    return None
 
 
 def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
     """Each jsonl line must be an object holding ``text_field`` as a string (the first bad line per file)."""
     problems = []
     for path in files:
-        if path.suffix != ".jsonl":
+        if path.suffix != JSONL_SUFFIX:
             continue
         with path.open(encoding="utf-8") as lines:
             for number, line in enumerate(lines, start=1):

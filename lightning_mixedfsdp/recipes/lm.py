@@ -9,8 +9,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics.text import Perplexity
+from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
 from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
 
 
@@ -60,10 +62,12 @@ class CausalLM(pl.LightningModule):
         self.held_out_perplexity = Perplexity()
         self.perplexities: Dict[str, float] = {}
 
+    @override
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_hf_model(self.model_section, self.peft)
 
+    @override
     def on_fit_start(self) -> None:
         # a resumed run restores its own weights; only a fresh run starts from the pretrained directory
         if self.model_section.pretrained is not None and self.trainer.ckpt_path is None:
@@ -78,14 +82,32 @@ class CausalLM(pl.LightningModule):
             return self.model(tokens)
         return self.model(input_ids=tokens).logits
 
+    @override
+    def on_train_start(self) -> None:
+        """The learning rate is a pure function of the step and this command's ``lr``, ``warmup_steps`` and
+        ``max_steps``, as the data order is of the step: a resumed run restores the scheduler's step, and a run
+        extended with a larger ``max_steps`` continues on the cosine planned to the new end (the LR rises from
+        where the shorter schedule left it to the new curve's value at this step). The checkpoint's optimizer and
+        scheduler hold the old run's rates; set them from the plan."""
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        factor = warmup_cosine(self.global_step, self.warmup_steps, self.max_steps)
+        scheduler.base_lrs = [self.lr for _ in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * factor
+
+    @override
     def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
         loss = causal_lm_loss(self.logits(tokens), tokens)
         self.log("train_loss", loss, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
         return loss
 
+    @override
     def validation_step(self, tokens: torch.Tensor, _: int) -> None:
         self.held_out_perplexity.update(self.logits(tokens)[:, :-1].float(), tokens[:, 1:])
 
+    @override
     def on_validation_epoch_end(self) -> None:
         perplexity = self.held_out_perplexity.compute()
         self.held_out_perplexity.reset()
@@ -94,7 +116,10 @@ class CausalLM(pl.LightningModule):
         rank_zero_info(f"held-out perplexity ({when}): {perplexity.item():.2f}")
         if not self.trainer.sanity_checking:
             self.log("val_ppl", perplexity, prog_bar=True, sync_dist=True)  # equal on all ranks already
+        elif self.logger is not None:  # Lightning keeps what the sanity check logs from the loggers; write it at step 0
+            self.logger.log_metrics({UNTRAINED_PPL: perplexity.item()}, step=0)
 
+    @override
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
         optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)

@@ -1,19 +1,57 @@
-"""Loading a recipe: the schema's merge (schema < file < overrides) and the checks of what it points at, reported
-together in one :class:`RecipeError` before any process starts."""
+"""Loading a recipe: the schema's merge (schema < file < overrides), the checks of what it points at, whether the data
+fills a window, and whether this machine has the accelerator, reported together in one :class:`RecipeError` before
+any process starts."""
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 from lightning_mixedfsdp.recipes.inputs import input_problems
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, merge_recipe
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe
 
 
-def load_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Recipe:
+def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: bool = True) -> Recipe:
     """The recipe at ``path`` (schema defaults without one) with ``key.sub=value`` overrides; raise
-    :class:`RecipeError` listing every problem, the files a recipe points at checked once its fields are right."""
+    :class:`RecipeError` listing every problem, the files a recipe points at checked once its fields are right.
+    ``launching``: also what training here needs (this machine's accelerator, enough text); a dry run plans for
+    machines other than this one."""
     recipe, problems = merge_recipe(path, overrides)
     if not problems:
         problems += input_problems(recipe)
+        if launching:
+            problems += accelerator_problems(recipe.trainer)
+    if not problems and launching:  # reading the data needs valid files and tokenizer
+        from lightning_mixedfsdp.recipes.data import data_problems
+
+        problems += data_problems(recipe.data, recipe.world_size)
+    if len(problems) == 1:
+        raise RecipeError(f"Recipe has 1 problem: {problems[0]}")
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
-        raise RecipeError(f"Recipe has {len(problems)} problem(s):\n{listed}")
+        raise RecipeError(f"Recipe has {len(problems)} problems:\n{listed}")
     return recipe
+
+
+def accelerator_problems(trainer: TrainerSection) -> List[str]:
+    """The accelerator must exist on this machine with ``trainer.devices`` devices (``cpu`` runs any number of
+    processes; ``auto`` takes what there is)."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    name = trainer.accelerator
+    known = sorted(AcceleratorRegistry.available_accelerators() | {"gpu", "auto"})
+    if name not in known:
+        return [f"trainer.accelerator={name!r} is not one of {known}; use cpu, gpu or auto"]
+    if name in ("cpu", "auto"):
+        return []
+    candidates = ("cuda", "mps") if name == "gpu" else (name,)
+    available = [c for c in candidates if AcceleratorRegistry[c]["accelerator"].is_available()]
+    if not available:
+        return [
+            f"trainer.accelerator={name!r}: this machine has no {'/'.join(candidates)} device; use"
+            " trainer.accelerator=cpu, or run on a machine that has one"
+        ]
+    count = AcceleratorRegistry[available[0]]["accelerator"].auto_device_count()
+    if trainer.devices > count:
+        return [
+            f"trainer.devices={trainer.devices}, but this machine has {count} {available[0]} device(s); lower"
+            " trainer.devices"
+        ]
+    return []

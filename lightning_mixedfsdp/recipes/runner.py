@@ -1,33 +1,60 @@
 """The recipe runner: ``python -m lightning_mixedfsdp.train --config conf/<recipe>.yaml key.sub=value ...``.
 
 Launches ``trainer.devices`` processes itself (Lightning re-runs this command in each), prints the dtype report,
-trains with a progress bar, reports held-out perplexity before and after, saves checkpoints, and exports the weights
-under ``output.dir``: ``export/`` (safetensors, HF ``config.json``, tokenizer files; ``from_pretrained`` loads it)
-and, with LoRA, ``adapter/`` (PEFT's format). ``--resume last`` continues from the last checkpoint with the same
-data stream; ``--dry-run`` prints the plan and the per-rank memory and trains nothing.
+trains with a progress bar, reports held-out perplexity before and after, saves checkpoints, and writes under
+``output.dir``: ``export/`` (safetensors, ``config.json``, tokenizer; ``from_pretrained`` loads it), with LoRA
+``adapter/`` (PEFT's format), ``metrics.png`` (loss and perplexity against the step), ``console.log``.
+
+``--resume last`` continues from the run's newest checkpoint with the same data stream; with a larger
+``trainer.max_steps`` it trains on to it. Ctrl-C or SIGTERM saves ``last.ckpt`` at the next step boundary and exits;
+a second one aborts at once.
+``--dry-run`` prints the plan and the per-rank memory and trains nothing.
 """
 
 import argparse
+import importlib.util
+import re
+import shlex
 import sys
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
+from lightning_mixedfsdp.recipes.console import keep_console, process_rank
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
 from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
 from lightning_mixedfsdp.recipes.loader import load_recipe
+from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL, plot_metrics, read_metrics
+from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
+from lightning_mixedfsdp.recipes.stopping import StopRequest
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Outcome:
+    """What a launch of the runner did."""
+
+    untrained: Optional[float]
+    """Held-out perplexity before training (from the run's first launch when this one resumed)."""
+    trained: Optional[float]
+    """Held-out perplexity at the last step; None when a stop request ended the run."""
+    steps: int
+    stopped_by: Optional[StopRequest] = None
+    """The request that stopped the run before ``max_steps``."""
 
 
 def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
@@ -42,14 +69,10 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
     return config
 
 
-def build_trainer(recipe: Recipe) -> pl.Trainer:
+def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
     output = Path(recipe.output.dir)
     kwargs = recipe.strategy_kwargs()
     kwargs["config"] = strategy_config(recipe)
-    every = recipe.trainer.checkpoint_every_n_steps or None
-    checkpoints = ModelCheckpoint(
-        dirpath=output / "checkpoints", save_last=True, save_top_k=-1 if every else 0, every_n_train_steps=every
-    )
     return pl.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
@@ -57,7 +80,7 @@ def build_trainer(recipe: Recipe) -> pl.Trainer:
         strategy=MixedFSDP2Strategy(**kwargs),
         precision=recipe.trainer.precision,  # type: ignore[arg-type]  # a flag the schema checked
         max_steps=recipe.trainer.max_steps,
-        max_epochs=1,  # the training stream holds exactly max_steps optimizer steps
+        max_epochs=1,  # one epoch, however often resumed or extended: every checkpoint is saved inside it
         accumulate_grad_batches=recipe.trainer.accumulate_grad_batches,
         gradient_clip_val=recipe.trainer.gradient_clip_val or None,
         val_check_interval=recipe.trainer.val_check_interval,
@@ -66,6 +89,8 @@ def build_trainer(recipe: Recipe) -> pl.Trainer:
         log_every_n_steps=recipe.trainer.log_every_n_steps,
         logger=CSVLogger(output, name="logs"),
         callbacks=[checkpoints],
+        enable_checkpointing=False,  # RunCheckpoints saves
+        default_root_dir=output,  # where Lightning's SLURM requeue saves hpc_ckpt_N.ckpt, which resume_from finds
         use_distributed_sampler=False,  # the data module shards its own resumable stream
         enable_model_summary=False,
     )
@@ -84,46 +109,67 @@ def build_module(recipe: Recipe) -> CausalLM:
     )
 
 
-def run(recipe: Recipe, resume: Optional[str] = None) -> Dict[str, Optional[float]]:
-    """Train as the recipe says; return the held-out perplexity before and after training."""
+def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") -> Outcome:
+    """Train as the recipe says, from ``checkpoint`` if given; export, plot and summarise unless a stop request
+    ended the run first (then say how to continue: ``command`` with ``--resume last``)."""
     pl.seed_everything(recipe.trainer.seed, verbose=False)
-    output = Path(recipe.output.dir)
-    trainer = build_trainer(recipe)
+    folder = RunFolder(Path(recipe.output.dir))
+    stop = StopRequest()
+    checkpoints = RunCheckpoints(folder, recipe.trainer.checkpoint_every_n_steps, recipe.trainer.keep_checkpoints, stop)
+    trainer = build_trainer(recipe, checkpoints)
     micro_batches = recipe.trainer.max_steps * recipe.trainer.accumulate_grad_batches
     datamodule = TextCorpus(recipe.data, recipe.trainer.seed, micro_batches)
     module = build_module(recipe)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=_checkpoint_path(output, resume))
-    export(trainer, module, datamodule, recipe)
-    before, after = module.untrained_perplexity, module.perplexities.get(f"step {trainer.global_step}")
-    # a resumed run skips Lightning's sanity check, so it has no "untrained" figure
-    start = f"{before:.2f} untrained" if before is not None else "resumed"
-    finish = f"{after:.2f}" if after is not None else "not evaluated"
+    if checkpoint is not None:
+        rank_zero_info(f"resuming from {checkpoint}")
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint is not None else None)
+    steps = trainer.global_step
+    if checkpoints.stopped_at is None:
+        export(trainer, module, datamodule, recipe)
+    outcome = Outcome(module.untrained_perplexity, module.perplexities.get(f"step {steps}"), steps)
+    if trainer.is_global_zero:
+        metrics = read_metrics(folder.logs)
+        if outcome.untrained is None:  # a resumed launch: the first launch logged it
+            outcome.untrained = next(iter(metrics.get(UNTRAINED_PPL, {}).values()), None)
+        plot_metrics(metrics, folder.plot, f"{folder.root}: {steps} steps")
+    if checkpoints.stopped_at is not None:
+        outcome.stopped_by = stop
+        rank_zero_info(
+            f"stopped at step {steps} of {recipe.trainer.max_steps}: checkpoint {folder.last}, plot {folder.plot}\n"
+            f"continue with: {command} --resume last"
+        )
+        return outcome
+    start = f"{outcome.untrained:.2f} untrained" if outcome.untrained is not None else "not evaluated untrained"
+    finish = f"{outcome.trained:.2f}" if outcome.trained is not None else "not evaluated"
     rank_zero_info(
-        f"held-out perplexity: {start} -> {finish} after {trainer.global_step} steps\n"
-        f"checkpoint: {output / 'checkpoints' / 'last.ckpt'}\nexport: {output / 'export'}"
+        f"held-out perplexity: {start} -> {finish} after {steps} steps\n"
+        f"checkpoint: {folder.last}\nexport: {folder.export}\nplot: {folder.plot}\nconsole log: {folder.console}"
     )
-    return {"untrained": before, "trained": after}
+    return outcome
 
 
 def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
-    """``export/``: the (merged) weights, the HF config and the tokenizer files; ``adapter/`` for LoRA."""
-    output = Path(recipe.output.dir)
+    """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer;
+    ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
+    from lightning_mixedfsdp.recipes.hf_export import byte_tokenizer, write_reference_config
+
+    folder = RunFolder(Path(recipe.output.dir))
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
-    strategy.export_safetensors(module.model, output / "export", dtype=EXPORT_DTYPES[recipe.output.export_dtype])
+    dtype = EXPORT_DTYPES[recipe.output.export_dtype]
+    strategy.export_safetensors(module.model, folder.export, dtype=dtype)
     if recipe.peft.enabled:
-        strategy.export_adapter(module.model, output / "adapter")
-    if isinstance(datamodule.tokenizer, HFTokenizer) and trainer.is_global_zero:
-        datamodule.tokenizer.save_pretrained(output / "export")
-
-
-def _checkpoint_path(output: Path, resume: Optional[str]) -> Optional[str]:
-    if resume is None:
-        return None
-    path = output / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
-    if not path.exists():
-        raise FileNotFoundError(f"--resume {resume}: {str(path)!r} does not exist; pass a checkpoint path or 'last'.")
-    return str(path)
+        strategy.export_adapter(module.model, folder.adapter)
+    if not trainer.is_global_zero:
+        return
+    if recipe.model.hf_source() is None:
+        write_reference_config(folder.export, recipe.model, dtype)
+    if isinstance(datamodule.tokenizer, HFTokenizer):
+        datamodule.tokenizer.save_pretrained(folder.export)
+    elif importlib.util.find_spec("transformers") is not None:
+        byte_tokenizer().save_pretrained(str(folder.export))
+    else:  # the default install trains without transformers; loading the export needs it anyway
+        rank_zero_info(f"no tokenizer in {folder.export}: pip install transformers to export it with the model")
 
 
 def dry_run(recipe: Recipe) -> None:
@@ -147,23 +193,52 @@ def dry_run(recipe: Recipe) -> None:
     print(format_summary(plan, estimate, world, replicate, None))
 
 
+def quiet_known_warnings() -> None:
+    """Lightning 2.6's CombinedLoader flattens the dataloaders with ``LeafSpec()``, which torch 2.13 deprecates
+    (a FutureWarning, once per rank, about Lightning's code, not the user's); silenced at that call site only."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (e.g. conf/stdlib_llama.yaml); defaults apply without one")
-    parser.add_argument("--resume", nargs="?", const="last", help="continue from a checkpoint path, or 'last'")
+    parser.add_argument(
+        "--resume", nargs="?", const="last", help="continue from a checkpoint path, or 'last' (the newest)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the dtype plan and per-rank memory; no training")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied after the file")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
+    if args.resume is not None and _looks_like_override(args.resume):
+        args.overrides.append(args.resume)  # `--resume trainer.max_steps=60`: --resume's value is optional
+        args.resume = "last"
+    quiet_known_warnings()
     try:
-        recipe = load_recipe(args.config, args.overrides)
+        recipe = load_recipe(args.config, args.overrides, launching=not args.dry_run)
     except RecipeError as error:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
     if args.dry_run:
         dry_run(recipe)
         return
-    run(recipe, resume=args.resume)
+    folder = RunFolder(Path(recipe.output.dir))
+    try:
+        checkpoint = resume_from(folder, args.resume, recipe.trainer.max_steps, SLURMEnvironment.detect())
+    except RunFolderError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    keep_console(folder.root, process_rank())
+    config = ["--config", args.config] if args.config else []
+    command = shlex.join(["python", "-m", "lightning_mixedfsdp.train", *config, *args.overrides])
+    outcome = run(recipe, checkpoint, command)
+    if outcome.stopped_by is not None:
+        raise SystemExit(outcome.stopped_by.exit_code)
 
 
-if __name__ == "__main__":
-    main()
+def _looks_like_override(value: str) -> bool:
+    """``section.key=value`` and no such path (a checkpoint may be named ``step=50.ckpt``)."""
+    return re.match(r"^[A-Za-z_]\w*\.[\w.]+=", value) is not None and not Path(value).exists()

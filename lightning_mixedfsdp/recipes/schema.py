@@ -36,8 +36,12 @@ class TrainerSection:
     """Global gradient-norm clip; 0 turns clipping off."""
     val_check_interval: int = 125
     """Training batches between held-out evaluations."""
-    checkpoint_every_n_steps: int = 0
-    """Also save a checkpoint every N optimizer steps (``--resume`` continues from one); 0: only ``last.ckpt``."""
+    checkpoint_every_n_steps: int = 50
+    """Save ``checkpoints/step=N.ckpt`` every N optimizer steps, so a killed run loses at most N steps; 0: only
+    ``last.ckpt`` (at the end, and when SIGINT/SIGTERM stops the run)."""
+    keep_checkpoints: int = 2
+    """The newest numbered checkpoints kept (older ones are deleted as new ones are written); ``last.ckpt`` is kept
+    besides them."""
     log_every_n_steps: int = 10
     """Steps between logged training losses (CSV under ``output.dir/logs``)."""
     seed: int = 1234
@@ -83,8 +87,8 @@ class ModelSection(TinyLlamaConfig):
 @dataclass
 class DataSection:
     files: List[str] = field(default_factory=list)
-    """Paths or globs of ``.txt`` files (one document each) or ``.jsonl`` files (one document per line); empty:
-    the Python standard library's own source files."""
+    """One path or a list of paths, globs or directories: every text file (``.txt``, ``.py``, ``.md``, ... any
+    UTF-8 text) is a document, a ``.jsonl`` file a document per line; empty: the Python standard library's source."""
     text_field: str = "text"
     """The field of each jsonl line that holds its text."""
     tokenizer: str = "bytes"
@@ -130,7 +134,8 @@ class OptimizerSection:
 @dataclass
 class OutputSection:
     dir: str = "runs/stdlib_llama"
-    """Checkpoints, logs, the safetensors export (``export/``) and LoRA adapters (``adapter/``) go here."""
+    """The run folder: checkpoints, logs, ``metrics.png``, ``console.log``, the export (``export/``) and LoRA
+    adapters (``adapter/``) go here; ``--resume last`` continues the run it holds."""
     export_dtype: str = "bf16"
     """Save dtype of the export; keep-fp32 params are exported in fp32."""
 
@@ -173,13 +178,16 @@ def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Re
     leaves: List[Tuple[str, Any]] = []
     if path is not None:
         if not Path(path).is_file():
-            raise RecipeError(f"Recipe file {path!r} does not exist; pass --config conf/<recipe>.yaml.")
+            raise RecipeError(missing_recipe_message(path))
         found, valid = _check_each_leaf(schema, OmegaConf.to_container(OmegaConf.load(path)), source=path)
         problems += found
         leaves += valid
     for override in overrides:
         if "=" not in override:
-            problems.append(f"override {override!r} is not key=value; write e.g. trainer.max_steps=100")
+            if override.endswith((".yaml", ".yml")) or Path(override).is_file():
+                problems.append(f"override {override!r} is not key=value; did you mean `--config {override}`?")
+            else:
+                problems.append(f"override {override!r} is not key=value; write e.g. trainer.max_steps=100")
             continue
         try:
             layer = OmegaConf.to_container(OmegaConf.from_dotlist([override]))
@@ -193,6 +201,21 @@ def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Re
     recipe = cast(Recipe, OmegaConf.to_object(merged))
     problems += validate_recipe(recipe)
     return recipe, problems
+
+
+def missing_recipe_message(path: str) -> str:
+    """A missing recipe file: the closest recipe name, and the recipes there are (in the folder the path names, else
+    ``conf/`` here, else the ``conf/`` of this checkout)."""
+    given = Path(path)
+    folders = [given.parent, Path("conf"), Path(__file__).resolve().parents[2] / "conf"]
+    folder = next((f for f in folders if f.is_dir() and any(f.glob("*.yaml"))), None)
+    message = f"Recipe file {path!r} does not exist; pass --config conf/<recipe>.yaml"
+    if folder is None:
+        return message + "."
+    names = sorted(p.name for p in folder.glob("*.yaml"))
+    close = difflib.get_close_matches(given.name, names, n=1)
+    hint = f"; did you mean {str(folder / close[0])!r}?" if close else ""
+    return f"{message}{hint} Recipes in {folder}/: {', '.join(names)}."
 
 
 def validate_recipe(recipe: Recipe) -> List[str]:
@@ -215,7 +238,22 @@ def validate_recipe(recipe: Recipe) -> List[str]:
     if recipe.data.seq_len < 2 or recipe.data.batch_size < 1:
         problems.append("data.seq_len must be >= 2 and data.batch_size >= 1")
     if recipe.trainer.checkpoint_every_n_steps < 0:
-        problems.append(f"trainer.checkpoint_every_n_steps={recipe.trainer.checkpoint_every_n_steps} must be >= 0")
+        problems.append(
+            f"trainer.checkpoint_every_n_steps={recipe.trainer.checkpoint_every_n_steps} must be >= 0 (0: only"
+            " last.ckpt)"
+        )
+    if recipe.trainer.keep_checkpoints < 1:
+        problems.append(f"trainer.keep_checkpoints={recipe.trainer.keep_checkpoints} must be >= 1")
+    if recipe.data.held_out_every < 2:
+        problems.append(
+            f"data.held_out_every={recipe.data.held_out_every} must be >= 2 (every n-th document is held out; 1 would"
+            " leave nothing to train on)"
+        )
+    if recipe.data.val_windows < 1 or recipe.data.max_bytes < 1:
+        problems.append("data.val_windows and data.max_bytes must be >= 1")
+    betas = list(recipe.optimizer.betas)
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        problems.append(f"optimizer.betas={betas} must be two values in [0, 1), e.g. [0.9, 0.95]")
     if recipe.peft.enabled and (recipe.peft.r < 1 or not recipe.peft.target_modules):
         problems.append("peft.r must be >= 1 and peft.target_modules name at least one module when peft.enabled")
     if recipe.output.export_dtype not in ("bf16", "fp32"):
@@ -241,6 +279,8 @@ def _check_each_leaf(
             problems += found
             valid += good
         else:
+            if isinstance(value, str) and OmegaConf.is_list(node[key]):
+                value = [value]  # a list field takes one value too: data.files=train.jsonl
             try:
                 OmegaConf.merge(schema, _nested(dotted, value))
                 valid.append((dotted, value))

@@ -21,7 +21,7 @@ from lightning_mixedfsdp.sharding.matching import (
     match_keep_fp32,
 )
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.sharding.report import collapse_indices, format_shape, format_table, short_dtype
+from lightning_mixedfsdp.sharding.report import collapse_indices, format_bytes, format_shape, format_table, short_dtype
 
 ROOT = ""
 BUILT, FROZEN, CAST = "as built", "frozen module", "cast_buffers"
@@ -164,9 +164,9 @@ class ShardPlan:
         replicated_bytes = sum(self.params[p].nbytes for p in self.replicated_params)
         bulk = self.bulk
         summary = [
-            f"mixed_fsdp2 dtype plan: {len(self.params)} params ({total_bytes / 2**20:.2f} MiB),"
+            f"mixed_fsdp2 dtype plan: {len(self.params)} params ({format_bytes(total_bytes)}),"
             f" {len(self.sharded_groups)} sharded groups, {len(self.replicated_groups)} replicated groups"
-            f" ({replicated_bytes / 2**10:.1f} KiB replicated), {len(self.buffers)} floating buffers",
+            f" ({format_bytes(replicated_bytes)} replicated), {len(self.buffers)} floating buffers",
             f"bulk: storage {short_dtype(bulk.storage) if bulk.storage else 'as loaded'},"
             f" compute {short_dtype(bulk.compute) if bulk.compute else 'own dtype'},"
             f" reduce {short_dtype(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",

@@ -35,3 +35,23 @@ def format_shape(shape: Tuple[int, ...]) -> str:
 def short_dtype(dtype: Optional[torch.dtype]) -> str:
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
     return names.get(dtype, str(dtype).replace("torch.", "")) if dtype is not None else "-"
+
+
+def format_bytes(count: float) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 before the point: ``512 B``, ``5.00 KiB``, ``1.69 MiB``,
+    ``130.42 GiB``."""
+    if abs(count) < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if abs(round(count, 2)) < 1024:
+            return f"{count:.2f} {unit}"
+    return f"{count / 1024:.2f} TiB"
+
+
+def format_count(count: float) -> str:
+    """A count in K, M or B (thousands, millions, billions): ``420.00K``, ``1.69M``, ``70.55B``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(count) >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return f"{count:.0f}"

@@ -1,6 +1,7 @@
 """The dry-run planner: public 70B-120B shapes planned on the meta device, and its per-rank prediction against what a
 2-rank run of a scaled-down twin really allocates."""
 
+import re
 from pathlib import Path
 from typing import Any, Dict
 
@@ -100,3 +101,15 @@ def test_the_prediction_equals_what_a_two_rank_twin_allocates_on_its_busiest_ran
     for name in ("params", "grads", "AdamW states"):
         busiest = max(result[model_type]["real"][name] for result in allocated)
         assert busiest == predicted[name], (name, busiest, predicted[name])
+
+
+def test_a_tiny_plan_prints_sizes_in_units_that_fit(capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    out = main(["--recipe", str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml"), "--world-size", "2"])
+    printed = capsys.readouterr().out
+    assert f"{out['params'] / 1e6:.2f}M params" in printed
+    assert "0.00 GiB" not in printed and "0.00B" not in printed
+    total = out["estimate"].total
+    assert f"total        {total / 2**20:.2f} MiB" in printed  # under 1 GiB: MiB
+    assert re.search(r"mixed_fsdp2 dtype plan: \d+ params \([\d.]+ MiB\), .* \([\d.]+ KiB replicated\)", printed)

@@ -1,13 +1,12 @@
-"""Recipe files: merge precedence, typos rejected, every problem at once; the main job end to end (tiny sizes)."""
+"""Recipe files: merge precedence, typos rejected, every problem at once, each with its fix: the recipe file, the data
+and the machine, all checked before any process starts. (The main job end to end: ``test_runner.py``.)"""
 
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
 
+from lightning_mixedfsdp.recipes.inputs import data_files
 from lightning_mixedfsdp.recipes.loader import load_recipe
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 
@@ -45,7 +44,7 @@ def test_every_problem_is_listed_together(tmp_path: Path) -> None:
     with pytest.raises(RecipeError) as error:
         load_recipe(str(recipe_file), overrides)
     message = str(error.value)
-    assert message.startswith("Recipe has 5 problem(s):")
+    assert message.startswith("Recipe has 5 problems:\n")
     assert "unknown key 'trainr'; did you mean 'trainer'?" in message
     assert "data.batch_size='many'" in message
     assert "override 'nonsense' is not key=value" in message
@@ -53,9 +52,71 @@ def test_every_problem_is_listed_together(tmp_path: Path) -> None:
     assert "model.dim=130 is not divisible by model.n_heads=4" in message
 
 
-def test_a_missing_recipe_file_names_the_fix() -> None:
-    with pytest.raises(RecipeError, match=r"Recipe file 'nope.yaml' does not exist; pass --config conf/<recipe>.yaml"):
-        load_recipe("nope.yaml")
+def test_a_missing_recipe_file_names_the_closest_recipe_and_lists_conf() -> None:
+    with pytest.raises(RecipeError) as error:
+        load_recipe("conf/stdlib_lama.yaml")
+    message = str(error.value)
+    assert message.startswith("Recipe file 'conf/stdlib_lama.yaml' does not exist; pass --config conf/<recipe>.yaml")
+    assert "did you mean 'conf/stdlib_llama.yaml'?" in message
+    assert "Recipes in conf/: " + ", ".join(p.name for p in RECIPES) + "." in message
+
+
+def test_a_bare_recipe_path_asks_for_config() -> None:
+    with pytest.raises(RecipeError, match=r"is not key=value; did you mean `--config conf/stdlib_llama.yaml`"):
+        load_recipe(None, ["conf/stdlib_llama.yaml"])
+
+
+def test_an_accelerator_this_machine_lacks_is_one_line_before_launch() -> None:
+    if torch.cuda.is_available():
+        overrides, expected = [f"trainer.devices={torch.cuda.device_count() + 1}"], "but this machine has"
+    else:
+        overrides, expected = [], "this machine has no cuda/mps device; use trainer.accelerator=cpu"
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, ["trainer.accelerator=gpu", *overrides])
+    assert str(error.value).startswith("Recipe has 1 problem: trainer.accelerator='gpu'")
+    assert expected in str(error.value) and "\n" not in str(error.value)
+    load_recipe(None, ["trainer.accelerator=gpu"], launching=False)  # a dry run plans for other machines
+
+
+def test_data_files_takes_one_path_and_any_text_file(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    notes = _write(tmp_path / "docs" / "notes.md", "# notes\n" + "text " * 100)
+    _write(tmp_path / "docs" / "script.py", "print('hello')\n" * 30)
+    _write(tmp_path / "docs" / ".hidden.txt", "not walked into")
+    train = _write(tmp_path / "train.jsonl", "\n".join(f'{{"text": "line {i} {"x" * 200}"}}' for i in range(20)))
+    assert load_recipe(None, [f"data.files={train}"]).data.files == [str(train)]  # one path, not a list
+    recipe = load_recipe(None, [f"data.files=[{tmp_path / 'docs'}, {notes}]", "data.seq_len=16"])
+    files, problems = data_files(recipe.data)
+    assert not problems
+    assert [p.name for p in files] == ["notes.md", "script.py", "notes.md"]  # a directory: its files, sorted
+
+
+def test_binary_data_files_are_refused_naming_the_file(tmp_path: Path) -> None:
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(bytes(range(256)))
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [f"data.files=[{blob}, {latin}]"])
+    message = str(error.value)
+    assert f"data.files: '{blob}' is binary (it holds NUL bytes); leave it out or convert it to text" in message
+    assert f"data.files: '{latin}' is not UTF-8 text (byte 3)" in message
+
+
+def test_too_little_data_is_refused_before_launch_with_the_fix(tmp_path: Path) -> None:
+    one = _write(tmp_path / "one.txt", "a single document " * 50)
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [f"data.files={one}"])
+    message = str(error.value)
+    assert "data: too little text: 0 training tokens (one window needs 128)" in message
+    assert "data.files gives 1 document" in message and "the first document is held out" in message
+    docs = [_write(tmp_path / f"d{i}.txt", "x" * 300) for i in range(4)]
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [f"data.files=[{', '.join(map(str, docs))}]", "data.seq_len=200"])
+    message = str(error.value)
+    assert "302 held-out tokens (2 data-parallel ranks need 400, a window each)" in message
+    assert "lower data.held_out_every=10" in message
+    load_recipe(None, [f"data.files=[{', '.join(map(str, docs))}]", "data.seq_len=150"])  # enough: 906 and 302
 
 
 @pytest.mark.parametrize("recipe_file", RECIPES, ids=lambda p: p.name)
@@ -69,22 +130,6 @@ def test_each_shipped_recipe_loads_and_starts_with_its_launch_command(recipe_fil
         load_recipe(str(recipe_file))
 
 
-def test_main_job_trains_reports_perplexity_and_writes_checkpoint_and_export(tmp_path: Path) -> None:
-    command = [
-        sys.executable, "-m", "lightning_mixedfsdp.train", "--config", "conf/stdlib_llama.yaml",
-        "trainer.max_steps=30", "trainer.val_check_interval=30", "model.dim=32", "model.hidden_dim=64",
-        "model.n_layers=2", "data.seq_len=64", "data.val_windows=16", "data.max_bytes=300000",
-        "optimizer.lr=0.01", f"output.dir={tmp_path}",
-    ]  # fmt: skip
-    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    out = completed.stdout + completed.stderr
-    assert completed.returncode == 0, out[-4000:]
-    assert "mixed_fsdp2 dtype plan" in out and "replicated" in out
-    before, after = map(float, re.search(r"held-out perplexity: ([\d.]+) untrained -> ([\d.]+)", out).groups())
-    assert after < before / 4, out[-2000:]
-    assert (tmp_path / "checkpoints" / "last.ckpt" / ".metadata").is_file()
-    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
-    assert str(exported["layers.1.attention.A_log"].dtype) == "torch.float32"
-    assert str(exported["layers.0.attention_norm.weight"].dtype) == "torch.float32"
-    assert str(exported["output.weight"].dtype) == "torch.bfloat16"
-    assert (tmp_path / "logs").is_dir()
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path

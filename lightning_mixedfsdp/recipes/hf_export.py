@@ -1,0 +1,98 @@
+"""What makes the runner's export a Hugging Face model directory a user can load: for the reference model, its
+``config.json`` and code (HF's custom-code convention); for byte-level runs, a tokenizer; and :func:`load_export`,
+which loads any export with every tensor in the dtype the export holds it in.
+
+How each export loads (README, "Recipes"):
+
+- the main job (reference model): ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``; the config
+  names the export's fp32 tensors, the model class keeps exactly those fp32 (``_keep_in_fp32_modules_strict``) and
+  the rest in the config's ``dtype`` (bf16);
+- an HF model: ``from_pretrained(dir)`` loads everything in fp32 (the config's ``dtype`` when the export mixes
+  dtypes), exactly; ``load_export(dir)`` keeps the bf16 tensors bf16 and the fp32 ones fp32, as trained.
+"""
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Union
+
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.recipes.inputs import checkpoint_fp32_patterns
+from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
+
+REFERENCE_CODE = ("hf_tinyllama.py", "models.py")
+"""The reference model's HF wrapper and the model itself, copied into the export."""
+
+
+def write_reference_config(directory: Path, model: TinyLlamaConfig, dtype: torch.dtype) -> None:
+    """``config.json`` and code for the reference model, beside its safetensors (written first: the config names the
+    tensors they hold in fp32)."""
+    config: Dict[str, Any] = {
+        "model_type": "mixedfsdp_tinyllama",
+        "architectures": ["TinyLlamaForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "hf_tinyllama.TinyLlamaHFConfig",
+            "AutoModelForCausalLM": "hf_tinyllama.TinyLlamaForCausalLM",
+        },
+        "vocab_size": model.vocab_size,
+        "dim": model.dim,
+        "n_layers": model.n_layers,
+        "n_heads": model.n_heads,
+        "hidden_dim": model.hidden_dim,
+        "mixer_layers": list(model.mixer_layers),
+        "norm_eps": model.norm_eps,
+        "keep_in_fp32": checkpoint_fp32_patterns(str(directory)),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    here = Path(__file__).parent
+    for name in REFERENCE_CODE:
+        shutil.copyfile(here / name, directory / name)
+
+
+def byte_tokenizer() -> Any:
+    """The runner's byte tokenizer (token i is byte i) as an HF fast tokenizer, built here, no download: a BPE over
+    GPT-2's 256 byte symbols with no merges, so ``encode(text)`` gives ``list(text.encode("utf-8"))`` and
+    ``decode`` the text back. No special tokens: the vocabulary is the model's 256 (documents were separated by a
+    blank line in training)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = _byte_symbols()
+    tokenizer = Tokenizer(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+
+
+def _byte_symbols() -> Dict[int, str]:
+    """GPT-2's printable stand-in for each byte (``bytes_to_unicode``), the alphabet of HF's ByteLevel
+    pre-tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    symbols = {b: chr(b) for b in printable}
+    symbols.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return symbols
+
+
+def load_export(
+    directory: Union[str, Path], dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False
+) -> nn.Module:
+    """An export of the runner (any model) with every tensor in the dtype the export holds it in, ``dtype`` for
+    the bulk (e.g. bf16 weights and fp32 norms, as trained), and the dtype boundaries installed so a plain forward
+    runs (an fp32 norm computes in fp32 and returns ``dtype``). ``trust_remote_code=True`` for the reference
+    model's export. Built on the CPU by the model's own ``from_config``, then loaded by ``load_weights``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_mixedfsdp.checkpoint.load import load_weights
+    from lightning_mixedfsdp.config import MixedFSDPConfig
+
+    config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    # the export's own fp32 tensors, and no other rule: each tensor keeps the dtype the export holds it in
+    rules = MixedFSDPConfig(
+        keep_fp32_modules=[], keep_fp32_params=checkpoint_fp32_patterns(str(directory)), honor_hf_keep_in_fp32=False
+    )
+    return load_weights(model, Path(directory), dtype, rules).eval()

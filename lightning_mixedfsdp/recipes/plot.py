@@ -1,0 +1,69 @@
+"""The run's metrics, read back from its CSV logs and drawn: training loss (with the learning rate) and held-out
+perplexity against the optimizer step, as one PNG in the run folder."""
+
+import csv
+import re
+from pathlib import Path
+from typing import Dict
+
+Series = Dict[int, float]
+
+UNTRAINED_PPL = "untrained_ppl"
+"""The held-out perplexity before training, logged at step 0 (Lightning does not log its sanity check)."""
+
+
+def read_metrics(logs: Path) -> Dict[str, Series]:
+    """Every metric of the run, as step -> value: the CSV logs of each launch (``logs/version_N/metrics.csv``) in
+    launch order, a later launch's value replacing an earlier one's at the same step (a resumed run repeats the steps
+    after its checkpoint)."""
+    versions = sorted(logs.glob("version_*/metrics.csv"), key=lambda p: _version(p.parent.name))
+    metrics: Dict[str, Series] = {}
+    for path in versions:
+        with path.open(newline="") as rows:
+            for row in csv.DictReader(rows):
+                step = int(row.pop("step"))
+                row.pop("epoch", None)
+                for name, value in row.items():
+                    if value:
+                        metrics.setdefault(name, {})[step] = float(value)
+    return {name: dict(sorted(series.items())) for name, series in metrics.items()}
+
+
+def _version(name: str) -> int:
+    match = re.fullmatch(r"version_(\d+)", name)
+    return int(match.group(1)) if match else -1
+
+
+def plot_metrics(metrics: Dict[str, Series], path: Path, title: str) -> Path:
+    """Training loss and learning rate (left), held-out perplexity on a log scale (right, step 0: untrained),
+    against the number of optimizer updates the weights had."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed, none opened
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, ppl_axis) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+    loss = metrics.get("train_loss", {})
+    lines = loss_axis.plot(list(loss), list(loss.values()), color="tab:blue", label="training loss")
+    loss_axis.set(xlabel="optimizer step", ylabel="training loss (nats/token)", title="training loss")
+    lr = metrics.get("lr", {})
+    if lr:
+        lr_axis = loss_axis.twinx()
+        lines += lr_axis.plot(list(lr), list(lr.values()), color="tab:gray", linestyle="--", label="learning rate")
+        lr_axis.set_ylabel("learning rate")
+        lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    loss_axis.legend(handles=lines, loc="upper right")
+    # Lightning logs a validation under the 0-based index of the step it followed: drawn after that step, as the
+    # training loss at step s is the loss of the weights after s updates
+    ppl = {**metrics.get(UNTRAINED_PPL, {}), **{step + 1: v for step, v in metrics.get("val_ppl", {}).items()}}
+    ppl_axis.plot(list(ppl), list(ppl.values()), color="tab:green", marker="o")
+    for step, value in ppl.items():
+        ppl_axis.annotate(f"{value:.2f}", (step, value), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    ppl_axis.set(xlabel="optimizer step", ylabel="held-out perplexity", title="held-out perplexity", yscale="log")
+    for axis in (loss_axis, ppl_axis):
+        axis.grid(alpha=0.3)
+    figure.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,329 @@
+"""The runner as a user runs it (``python -m lightning_mixedfsdp.train`` in a subprocess, 2 CPU processes) on the main
+job at tiny sizes: one uninterrupted run, one stopped by SIGTERM to its process group and resumed, the finished run
+extended; then what each left behind (losses, checkpoints, export, plot, metrics, console log). Refusals that happen
+before any process starts run in this process."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_mixedfsdp.recipes.plot import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, EXTENDED, EVERY, KEEP = 40, 52, 4, 2
+RECIPE = str(ROOT / "conf" / "stdlib_llama.yaml")
+OVERRIDES = [
+    f"trainer.max_steps={STEPS}", "trainer.val_check_interval=20",
+    f"trainer.checkpoint_every_n_steps={EVERY}", f"trainer.keep_checkpoints={KEEP}", "trainer.log_every_n_steps=1",
+    "model.dim=32", "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64", "data.val_windows=17",
+    "data.max_bytes=300000", "optimizer.lr=0.01",
+]  # fmt: skip
+"""17 held-out windows on 2 ranks of batch 8: split 9/8, rank 0 would run a second FSDP forward rank 1 never joins
+(a hang); each rank evaluates 8."""
+TINY = ["--config", RECIPE, *OVERRIDES]
+PROBE = Path(re.__file__).read_bytes()[:64]
+
+
+def command(*args: str) -> List[str]:
+    return [sys.executable, "-m", "lightning_mixedfsdp.train", *args]
+
+
+def train(*args: str) -> str:
+    completed = subprocess.run(command(*args), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = completed.stdout + completed.stderr
+    assert completed.returncode == 0, out[-5000:]
+    return out
+
+
+def train_until_sigterm(output: Path) -> Dict[str, Any]:
+    """Start the run in its own process group (as a shell starts a job), wait for its first numbered checkpoint,
+    then SIGTERM the group, as Ctrl-C or a scheduler signals every process of the job."""
+    process = subprocess.Popen(
+        command(*TINY, f"output.dir={output}"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    first = output / "checkpoints" / f"step={EVERY}.ckpt"
+    deadline = time.monotonic() + 240
+    while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    out, _ = process.communicate(timeout=120)
+    return {"out": out, "returncode": process.returncode}
+
+
+def losses(output: Path) -> Dict[int, float]:
+    return read_metrics(output / "logs")["train_loss"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The uninterrupted run (its export kept before it is extended), the interrupted one and its resume, and the
+    extension of the uninterrupted one."""
+    root = tmp_path_factory.mktemp("runs")
+    whole, stopped = root / "whole", root / "stopped"
+    out: Dict[str, Any] = {"whole": whole, "stopped": stopped}
+    out["whole_out"] = train(*TINY, f"output.dir={whole}")
+    out["whole_losses"] = losses(whole)
+    out["whole_metrics"] = read_metrics(whole / "logs")
+    out["numbered_after_whole"] = sorted(p.name for p in (whole / "checkpoints").glob("step=*.ckpt"))
+    out["whole_step"] = checkpoint_step(whole / "checkpoints" / "last.ckpt")
+    out["export"] = root / "export"
+    os.rename(whole / "export", out["export"])
+    out["trained"] = dcp_model_state(whole / "checkpoints" / "last.ckpt", root)
+    interrupted = train_until_sigterm(stopped)
+    out["interrupted"] = interrupted
+    out["stopped_step"] = checkpoint_step(stopped / "checkpoints" / "last.ckpt")
+    out["stopped_exported"] = (stopped / "export").exists()
+    out["resumed_out"] = train(*TINY, f"output.dir={stopped}", "--resume", "last")
+    out["extended_out"] = train(*TINY, f"output.dir={whole}", "--resume", "last", f"trainer.max_steps={EXTENDED}")
+    return out
+
+
+def checkpoint_step(path: Path) -> int:
+    from lightning_mixedfsdp.recipes.run_folder import checkpoint_step
+
+    return checkpoint_step(path)
+
+
+def dcp_model_state(checkpoint: Path, tmp: Path) -> Dict[str, torch.Tensor]:
+    """The model weights of a Trainer DCP checkpoint, every tensor in the dtype training kept it in."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(tmp / "checkpoint.pt"))
+    state = torch.load(tmp / "checkpoint.pt", weights_only=False)["state_dict"]
+    return {name[len("model.") :]: value for name, value in state.items()}
+
+
+def test_the_main_job_trains_reports_perplexity_and_saves_checkpoints_bounded(runs: Dict[str, Any]) -> None:
+    out, whole = runs["whole_out"], runs["whole"]
+    assert "mixed_fsdp2 dtype plan" in out and "replicated" in out
+    before, after = map(float, re.search(r"held-out perplexity: ([\d.]+) untrained -> ([\d.]+)", out).groups())
+    assert after < before / 4, out[-2000:]
+    assert f"after {STEPS} steps" in out
+    assert (whole / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+    assert runs["whole_step"] == STEPS
+    # every EVERY steps a numbered checkpoint; the newest KEEP kept, the final state only in last.ckpt
+    assert runs["numbered_after_whole"] == sorted(f"step={s}.ckpt" for s in (STEPS - 2 * EVERY, STEPS - EVERY))
+    assert "Traceback" not in out
+    assert "LeafSpec" not in out  # Lightning's deprecation, silenced at its call site
+
+
+def test_sigterm_to_the_process_group_saves_at_a_step_boundary_and_exits_cleanly(runs: Dict[str, Any]) -> None:
+    interrupted, step = runs["interrupted"], runs["stopped_step"]
+    out = interrupted["out"]
+    assert interrupted["returncode"] == 128 + signal.SIGTERM, out[-3000:]
+    assert EVERY <= step < STEPS, out[-3000:]  # stopped mid-run, after the checkpoint it waited for
+    assert f"stopped at step {step} of {STEPS}" in out and "--resume last" in out
+    assert "SIGTERM: stopping at the next step boundary" in out
+    assert "Traceback" not in out
+    assert not runs["stopped_exported"]  # an unfinished run exports nothing
+
+
+def test_the_resumed_run_repeats_the_uninterrupted_losses_exactly(runs: Dict[str, Any]) -> None:
+    whole, stopped = runs["whole_losses"], losses(runs["stopped"])
+    assert len(whole) == STEPS and sorted(stopped) == sorted(whole)
+    assert stopped == whole  # bit for bit, the steps before the stop and after the resume
+    assert read_metrics(runs["stopped"] / "logs")["val_ppl"] == runs["whole_metrics"]["val_ppl"]
+    assert f"resuming from {runs['stopped'] / 'checkpoints' / 'last.ckpt'}" in runs["resumed_out"]
+    # the held-out perplexity before training comes from the first launch's log
+    assert re.search(r"held-out perplexity: [\d.]+ untrained -> [\d.]+ after 40 steps", runs["resumed_out"])
+
+
+def test_extending_a_finished_run_trains_on_the_schedule_replanned_to_the_new_end(runs: Dict[str, Any]) -> None:
+    from lightning_mixedfsdp.recipes.lm import warmup_cosine
+
+    whole = runs["whole"]
+    metrics = read_metrics(whole / "logs")
+    assert sorted(metrics["train_loss"]) == list(range(EXTENDED))
+    assert {s: metrics["train_loss"][s] for s in range(STEPS)} == runs["whole_losses"]  # the first run's, kept
+    assert checkpoint_step(whole / "checkpoints" / "last.ckpt") == EXTENDED
+    assert f"after {EXTENDED} steps" in runs["extended_out"]
+    assert EXTENDED - 1 in metrics["val_ppl"]  # evaluated at the new end (Lightning logs the 0-based step)
+    for step in range(STEPS, EXTENDED):  # the rate each update used: 0.01 x the cosine planned to EXTENDED
+        assert metrics["lr"][step] == pytest.approx(0.01 * warmup_cosine(step, 20, EXTENDED), rel=1e-6)
+    assert metrics["lr"][STEPS - 1] == pytest.approx(0.01 * warmup_cosine(STEPS - 1, 20, STEPS), rel=1e-6)
+    assert len(list((whole / "checkpoints").glob("step=*.ckpt"))) == KEEP
+
+
+def test_resuming_a_finished_run_says_so_and_exits_nonzero(runs: Dict[str, Any], capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*TINY, f"output.dir={runs['stopped']}", "--resume", "last"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0
+    assert f"is at step {STEPS} and trainer.max_steps={STEPS}: the run is done" in error
+    assert "trainer.max_steps=N with N > 40" in error
+
+
+def test_metrics_plot_and_console_log_are_in_the_run_folder(runs: Dict[str, Any]) -> None:
+    whole, out = runs["whole"], runs["whole_out"]
+    metrics = runs["whole_metrics"]
+    assert set(metrics) >= {"train_loss", "lr", "val_ppl", "untrained_ppl"}
+    assert sorted(metrics["val_ppl"]) == [19, 39]
+    untrained = metrics["untrained_ppl"][0]
+    assert f"held-out perplexity: {untrained:.2f} untrained" in out
+    plot = whole / "metrics.png"
+    assert f"plot: {plot}" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    console = (whole / "console.log").read_text()
+    assert console.count("===== ") == 2  # the run and its extension, each headed by its command
+    for line in ("mixed_fsdp2 dtype plan", f"held-out perplexity: {untrained:.2f} untrained", f"plot: {plot}"):
+        assert line in console
+
+
+def test_the_export_loads_with_from_pretrained_and_equals_the_trained_model(runs: Dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mixedfsdp import load_weights
+    from lightning_mixedfsdp.recipes.loader import load_recipe
+    from lightning_mixedfsdp.recipes.models import TinyLlama
+
+    export, trained = runs["export"], runs["trained"]
+    saved = load_file(str(export / "model.safetensors"))
+    assert saved["layers.1.attention.A_log"].dtype == saved["layers.0.attention_norm.weight"].dtype == torch.float32
+    assert saved["output.weight"].dtype == torch.bfloat16
+    # a plain load: bf16 bulk from the config, the export's fp32 tensors kept fp32, every value as trained
+    model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)
+    state = model.state_dict()
+    assert set(state) == set(trained)
+    for name, value in trained.items():
+        assert state[name].dtype == value.dtype and torch.equal(state[name], value), name
+    full = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, dtype=torch.float32).state_dict()
+    assert all(torch.equal(full[n], v.float()) for n, v in trained.items())
+    # the trained model: its checkpoint in the reference model, by load_weights (bf16, fp32 norms, boundaries)
+    recipe = load_recipe(RECIPE, OVERRIDES, launching=False)
+    reference = load_weights(TinyLlama(recipe.model), trained, torch.bfloat16, recipe.mixed_fsdp_config())
+    tokens = torch.tensor([list(PROBE)])
+    with torch.no_grad():
+        expected, got = reference(tokens), model(input_ids=tokens).logits
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+    greedy = tokens
+    with torch.no_grad():  # generate() recomputes the prefix (no KV cache): the same tokens as greedy by hand
+        for _ in range(3):
+            greedy = torch.cat([greedy, model(input_ids=greedy).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(model.generate(tokens, max_new_tokens=3, do_sample=False), greedy)
+
+
+def test_the_export_has_a_byte_tokenizer_that_round_trips_text(runs: Dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runs["export"], trust_remote_code=True)
+    text = PROBE.decode() + "naïve café — ✓ 🙂\n\tend"
+    ids = tokenizer(text)["input_ids"]
+    assert len(tokenizer) == 256
+    assert ids == list(text.encode("utf-8"))  # the ids the model was trained on: one per byte
+    assert tokenizer.decode(ids) == text
+
+
+def test_export_files_are_written_with_the_umask_like_any_file(runs: Dict[str, Any]) -> None:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in runs["export"].iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "hf_tinyllama.py", "models.py"} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~mask}, modes
+
+
+def _fake_checkpoint(path: Path, step: int) -> Path:
+    """A single-file checkpoint as far as the run folder reads one (its step)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step, "epoch": 0}, path)
+    return path
+
+
+def test_resume_without_a_checkpoint_is_one_line_naming_the_folder_and_the_fix(tmp_path: Path, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*TINY, f"output.dir={tmp_path / 'run'}", "--resume", "last"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"error: --resume last: {tmp_path / 'run' / 'checkpoints'} holds no checkpoint (no run saved one there);"
+        " start without --resume, or set output.dir to the folder of the run to continue"
+    )
+    assert not (tmp_path / "run").exists()  # nothing written for a refused command
+
+
+def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_with_the_fix(tmp_path: Path, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    _fake_checkpoint(tmp_path / "checkpoints" / "step=8.ckpt", 8)
+    with pytest.raises(SystemExit):
+        main([*TINY, f"output.dir={tmp_path}"])
+    error = capsys.readouterr().err
+    assert "holds the checkpoints of an earlier run (newest: step=8.ckpt, step 8); continue it with --resume" in error
+
+
+def test_the_newest_checkpoint_is_the_last_saved_and_slurm_requeues_resume_by_themselves(tmp_path: Path) -> None:
+    from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
+
+    folder = RunFolder(tmp_path)
+    _fake_checkpoint(folder.numbered(30), 30)
+    time.sleep(0.01)
+    _fake_checkpoint(folder.last, 12)  # a later branch, resumed from an earlier checkpoint
+    time.sleep(0.01)
+    hpc = _fake_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", 14)  # Lightning's SLURM requeue save
+    assert resume_from(folder, "last", 40, under_slurm=False) == hpc
+    assert resume_from(folder, None, 40, under_slurm=True) == hpc  # a requeued job reruns its command unchanged
+    with pytest.raises(RunFolderError, match="holds the checkpoints of an earlier run"):
+        resume_from(folder, None, 40, under_slurm=False)
+    assert resume_from(folder, str(folder.numbered(30)), 40, under_slurm=False) == folder.numbered(30)
+
+
+def test_resume_takes_overrides_before_or_after_it(tmp_path: Path, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    _fake_checkpoint(tmp_path / "checkpoints" / "last.ckpt", STEPS)
+    for argv in (
+        [*TINY, f"output.dir={tmp_path}", "--resume", "last", f"trainer.max_steps={STEPS}"],
+        [*TINY, f"output.dir={tmp_path}", "--resume", f"trainer.max_steps={STEPS}"],  # --resume's value is optional
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert f"is at step {STEPS} and trainer.max_steps={STEPS}: the run is done" in capsys.readouterr().err
+
+
+HUNG = """
+import socket
+from datetime import timedelta
+import torch.distributed as dist
+from lightning_mixedfsdp.recipes.stopping import StopRequest
+StopRequest().install()
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+print("blocked", flush=True)
+# rank 1 never comes: the main thread waits in C++, where no Python signal handler runs
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=timedelta(60))
+"""
+
+
+def test_a_second_signal_ends_even_a_rank_blocked_in_a_collective() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HUNG], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline() == "blocked\n"
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert process.poll() is None  # the first one asks for a stop at the next step boundary
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGTERM, out
+    assert "SIGTERM again: aborting" in out
