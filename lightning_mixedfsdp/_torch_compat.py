@@ -225,3 +225,21 @@ def non_persistent_buffer_names(module: nn.Module) -> frozenset:
     """Names of ``module``'s own buffers that no state dict holds (``Module._non_persistent_buffers_set``, private,
     stable on torch 2.11 to 2.14)."""
     return frozenset(module._non_persistent_buffers_set)
+
+
+# ---- distributed checkpoint -----------------------------------------------------------------------------------------
+
+
+def local_chunk(tensor: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """``(offsets, sizes)`` of this rank's part of ``tensor`` in the global tensor (all of it for a plain tensor).
+
+    ``DTensor.__create_chunk_list__`` is the protocol DCP's planners use (not public API; the same on 2.11 to 2.14).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        chunks = tensor.__create_chunk_list__()
+        if chunks:
+            return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+        return tuple(0 for _ in tensor.shape), tuple(0 for _ in tensor.shape)
+    return tuple(0 for _ in tensor.shape), tuple(tensor.shape)

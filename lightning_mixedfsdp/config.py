@@ -110,6 +110,17 @@ class MixedFSDPConfig:
     process with the same seed gets) and stream it into the shards. ``False`` only allocates the shards, for a load
     that follows (see ``lightning_mixedfsdp.load_full_weights``)."""
 
+    buffer_sync: BufferSyncMode = "broadcast"
+    """How persistent buffers stay equal on the data-parallel ranks (FSDP2 leaves them alone): ``"broadcast"`` rank
+    0's before each forward (DDP's ``broadcast_buffers``, the default: a buffer the model updates stays in step, for
+    one small broadcast per forward, and none for a model without persistent buffers, such as Llama), ``"average"``
+    the mean of the floating buffers after each optimizer step (for an aux-loss-free router bias updated from each
+    rank's expert load), or ``"none"``."""
+
+    buffer_sync_names: Optional[List[str]] = None
+    """Regular expressions searched in buffer names: exactly the matching buffers are synced, non-persistent ones
+    included. ``None``: every persistent buffer."""
+
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
 
@@ -120,22 +131,22 @@ class MixedFSDPConfig:
             ("storage", get_args(StorageChoice)),
             ("compute_dtype", get_args(DtypeChoice)),
             ("reduce_dtype", get_args(DtypeChoice)),
+            ("buffer_sync", get_args(BufferSyncMode)),
         ):
             value = getattr(self, name)
             if value not in choices:
                 problems.append(f"{name}={value!r} is not supported; use one of {list(choices)}.")
-        for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units"):
+        for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units", "buffer_sync_names"):
             for index, pattern in enumerate(getattr(self, name) or []):
                 if not isinstance(pattern, str) or not pattern.strip():
                     problems.append(f"{name}[{index}]={pattern!r} is empty; remove it or give a name.")
-        for index, pattern in enumerate(self.keep_fp32_params):
-            if isinstance(pattern, str) and pattern.strip():
-                try:
-                    re.compile(pattern)
-                except re.error as err:
-                    problems.append(
-                        f"keep_fp32_params[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it."
-                    )
+        for name in ("keep_fp32_params", "buffer_sync_names"):
+            for index, pattern in enumerate(getattr(self, name) or []):
+                if isinstance(pattern, str) and pattern.strip():
+                    try:
+                        re.compile(pattern)
+                    except re.error as err:
+                        problems.append(f"{name}[{index}]={pattern!r} is not a valid regex ({err}); fix or escape it.")
         try:
             parse_activation_checkpointing(self.activation_checkpointing)
         except ValueError as err:

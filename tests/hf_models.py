@@ -49,10 +49,47 @@ EXTRA = {
         qk_nope_head_dim=8,
         v_head_dim=8,
     ),
+    # DeepSeek-V3.2's lightning indexer picks the keys each query attends to: its params never get a grad
+    "deepseek_v32": dict(
+        **MOE,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
+    ),
     "ernie4_5_moe": dict(
         moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1, moe_num_shared_experts=1
     ),
+    "qwen3_moe": dict(**MOE, num_experts=4),
+    "gemma3_text": dict(sliding_window=16),
+    # MiniMax's lightning attention keeps four decay buffers that its forward multiplies with activations
+    "minimax": dict(
+        num_local_experts=4, num_experts_per_tok=2, block_size=16, layer_types=["linear_attention", "full_attention"]
+    ),
+    "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=16),
+    "falcon_h1": dict(
+        mamba_d_ssm=64,
+        mamba_n_heads=8,
+        mamba_d_head=8,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        mamba_expand=2,
+    ),
+    "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
+    "lfm2_moe": dict(**MOE, num_experts=4, num_dense_layers=1, layer_types=["conv", "full_attention"]),
 }
+SEQ2SEQ = ("t5",)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> Any:
@@ -61,9 +98,42 @@ def tiny_config(model_type: str, **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **{**COMMON, **EXTRA[model_type], **overrides})
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config`` of the tiny config, seeded: HF's own init."""
-    from transformers import AutoModelForCausalLM
+def model_class(model_type: str) -> Any:
+    """The Auto class that builds ``model_type`` with its LM head."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    return AutoModelForSeq2SeqLM if model_type in SEQ2SEQ else AutoModelForCausalLM
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """``AutoModelFor...LM.from_config`` of the tiny config, seeded: HF's own init."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    return model_class(model_type).from_config(tiny_config(model_type, **overrides))
+
+
+class AuxFreeBalancing:
+    """DeepSeek-V3's auxiliary-loss-free load balancing, as a user adds it to an HF DeepSeek-V3: after each backward
+    every router's ``e_score_correction_bias`` moves by ``rate`` towards the experts this rank's tokens used least
+    (torchtitan all-reduces the loads first; a user who does not gets biases that differ per rank).
+    ``used[-1]``: the biases the last forward routed with, by router."""
+
+    def __init__(self, model: torch.nn.Module, rate: float = 1e-2) -> None:
+        self.rate = rate
+        self.routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        self.loads: dict = {}
+        self.used: list = []
+        for router in self.routers:
+            router.register_forward_hook(self._count)
+
+    def _count(self, router: torch.nn.Module, _inputs: Any, outputs: Any) -> None:
+        indices = outputs[-1]
+        self.loads[router] = torch.bincount(indices.reshape(-1), minlength=router.e_score_correction_bias.numel())
+        if router is self.routers[0]:
+            self.used.append([])
+        self.used[-1].append(router.e_score_correction_bias.detach().clone())
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for router in self.routers:
+            load = self.loads[router].float()
+            router.e_score_correction_bias.add_(self.rate * torch.sign(load.mean() - load))

@@ -23,17 +23,21 @@ def test_unknown_dtype(field: str) -> None:
         MixedFSDPConfig(**{field: "half"}).validate()
 
 
-@pytest.mark.parametrize("field", ["keep_fp32_modules", "keep_fp32_params", "wrap_units"])
+def test_unknown_buffer_sync() -> None:
+    with pytest.raises(MixedFSDPConfigError, match=r"buffer_sync='all' is not supported; use one of \['none', 'broad"):
+        MixedFSDPConfig(buffer_sync="all").validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["keep_fp32_modules", "keep_fp32_params", "wrap_units", "buffer_sync_names"])
 def test_empty_pattern(field: str) -> None:
     with pytest.raises(MixedFSDPConfigError, match=rf"{field}\[1\]='  ' is empty; remove it or give a name"):
         MixedFSDPConfig(**{field: ["Block", "  "]}).validate()
 
 
-def test_bad_regex() -> None:
-    with pytest.raises(
-        MixedFSDPConfigError, match=r"keep_fp32_params\[0\]='A_log\(' is not a valid regex .*fix or escape"
-    ):
-        MixedFSDPConfig(keep_fp32_params=["A_log("]).validate()
+@pytest.mark.parametrize("field", ["keep_fp32_params", "buffer_sync_names"])
+def test_bad_regex(field: str) -> None:
+    with pytest.raises(MixedFSDPConfigError, match=rf"{field}\[0\]='A_log\(' is not a valid regex .*fix or escape"):
+        MixedFSDPConfig(**{field: ["A_log("]}).validate()
 
 
 def test_empty_wrap_units() -> None:

@@ -9,11 +9,13 @@ import os
 from pathlib import Path
 from typing import List, Union
 
+from lightning_mixedfsdp.strategies.lightning_compat import LIGHTNING_METADATA_FILENAME
+
 PathLike = Union[str, Path]
 """What Lightning's own checkpoint paths accept (``lightning.fabric.utilities.types._PATH``)."""
 
 DCP_METADATA = ".metadata"
-_CHECKPOINT_FILE_NAMES = (DCP_METADATA, "meta.pt")
+_CHECKPOINT_FILE_NAMES = (DCP_METADATA, LIGHTNING_METADATA_FILENAME)
 _CHECKPOINT_FILE_SUFFIXES = (".distcp",)
 
 

@@ -12,8 +12,10 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
+from lightning_mixedfsdp.config import BufferSyncMode
 from lightning_mixedfsdp.sharding.adapt import ClassRestore
 from lightning_mixedfsdp.sharding.boundaries import apply_boundaries, is_minority
+from lightning_mixedfsdp.sharding.buffers import BufferSync
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
@@ -43,6 +45,8 @@ class AppliedPlan:
     handles: List[RemovableHandle] = field(default_factory=list)
     restores: List[ClassRestore] = field(default_factory=list)
     """What undoes the class adaptations (boundaries, local views) of modules FSDP does not wrap itself."""
+    buffers: Optional[BufferSync] = None
+    """The buffers kept equal on every data-parallel rank, and how."""
 
     def remove_hooks(self) -> None:
         """Remove every hook the plan installed and undo the adaptations of modules that are no FSDP group."""
@@ -169,6 +173,18 @@ def check_plan_fits(model: nn.Module, plan: ShardPlan) -> None:
             f" {removed[:5]}. Change the model's params before `setup` (and keep `parallelize_fn` to tensor"
             " parallelism and wrappers)."
         )
+
+
+def apply_buffer_sync(
+    model: nn.Module, applied: AppliedPlan, mode: BufferSyncMode, names: Optional[Sequence[str]], meshes: ParallelMeshes
+) -> None:
+    """Buffers start as data-parallel rank 0 has them and stay in step as ``mode`` says (``buffers.py``)."""
+    if mode == "none":
+        return
+    sync = BufferSync(model, mode, names, meshes.data_parallel.get_group())
+    sync.broadcast()
+    applied.handles.extend(sync.attach(model))
+    applied.buffers = sync
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
-from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_plan, sync_replicas
+from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
 from lightning_mixedfsdp.sharding.matching import is_within
 from lightning_mixedfsdp.sharding.materialize import built_dtypes, has_meta_tensors, materialize_sharded
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
@@ -84,6 +84,8 @@ def shard_model(
         )
     elif applied is not None:
         sync_replicas(applied, meshes)
+    if applied is not None:
+        apply_buffer_sync(module, applied, config.buffer_sync, config.buffer_sync_names, meshes)
     if applied is not None and config.check_dtype_leaks and plan.bulk.compute is not None:
         applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
     _SET_UP.add(module)
@@ -118,6 +120,13 @@ class ShardedModels:
         finally:
             for module in modules:
                 self.set_requires_gradient_sync(module, True)
+
+    def after_optimizer_step(self) -> None:
+        """``buffer_sync="average"``: the floating buffers of every model become their mean over the data-parallel
+        ranks (the strategies call this after each optimizer step)."""
+        for applied in list(self._applied.values()):
+            if applied.buffers is not None and applied.buffers.mode == "average":
+                applied.buffers.average()
 
     def set_requires_gradient_sync(self, module: nn.Module, requires_sync: bool) -> None:
         from torch.distributed.fsdp import FSDPModule

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDPConfig
+from lightning_mixedfsdp.sharding.construction import constructed_buffer_dtypes
 from lightning_mixedfsdp.sharding.matching import (
     KeepFp32Matches,
     KeepFp32Rules,
@@ -24,7 +25,7 @@ from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.report import collapse_indices, format_bytes, format_shape, format_table, short_dtype
 
 ROOT = ""
-BUILT, FROZEN, CAST = "as built", "frozen module", "cast_buffers"
+BUILT, FROZEN, CAST, CONSTRUCTED = "as built", "frozen module", "cast_buffers", "HF construction in the compute dtype"
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,13 @@ def plan_model(
         )
         for name, p in params.items()
     }
+    constructed: Dict[str, torch.dtype] = {}
+    unbuilt: List[str] = []
+    narrow_compute = bulk.compute is not None and bulk.compute != torch.float32
+    if narrow_compute and bulk.compute is not None and any(b.is_floating_point() for b in model.buffers()):
+        constructed, unbuilt = constructed_buffer_dtypes(model, index, bulk.compute)
     buffer_plans = {
-        name: _plan_buffer(name, buffer, matches, _inside(name, frozen), bulk, cast_buffers)
+        name: _plan_buffer(name, buffer, matches, _inside(name, frozen), bulk, cast_buffers, constructed.get(name))
         for name, buffer in ((canonical_name(n), b) for n, b in model.named_buffers())
         if buffer.is_floating_point()
     }
@@ -248,7 +254,14 @@ def plan_model(
         buffers=buffer_plans,
         units=tuple(units),
         keep_fp32_modules=matches.modules,
-        warnings=_rule_warnings(matches.unmatched_rules),
+        warnings=(
+            *_rule_warnings(matches.unmatched_rules),
+            *(
+                f"could not rebuild {m} from its config to read its buffers' dtypes; they keep the dtypes they were"
+                " built in (build the model under `init_module()` to give them the compute dtype)"
+                for m in unbuilt
+            ),
+        ),
     )
 
 
@@ -271,8 +284,10 @@ def _plan_buffer(
     in_frozen_module: bool,
     bulk: BulkDtypes,
     cast_buffers: bool,
+    constructed: Optional[torch.dtype] = None,
 ) -> BufferPlan:
-    """Precedence: a keep-fp32 rule > fully frozen modules in the compute dtype > ``cast_buffers`` > as built."""
+    """Precedence: a keep-fp32 rule > fully frozen modules in the compute dtype > ``cast_buffers`` > the dtype HF's
+    construction under the compute dtype gives it (``construction.py``) > as built."""
     shape = tuple(buffer.shape)
     if name in matches:
         return BufferPlan(name, shape, torch.float32, matches.rule_of[name])
@@ -280,6 +295,8 @@ def _plan_buffer(
         return BufferPlan(name, shape, bulk.compute, FROZEN)
     if cast_buffers and bulk.storage is not None:
         return BufferPlan(name, shape, bulk.storage, CAST)
+    if constructed is not None:
+        return BufferPlan(name, shape, constructed, CONSTRUCTED if constructed != buffer.dtype else BUILT)
     return BufferPlan(name, shape, buffer.dtype, BUILT)
 
 

@@ -2,7 +2,7 @@
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -13,10 +13,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
+from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.sharding.pipeline import ParallelizeFn, ShardedModels
-from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl
+from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl, has_dtensor_modules
 from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin
 
 
@@ -75,6 +76,11 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         return self._shard(module, self.precision, self._parallelize_fn)
 
     @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._watch_optimizer(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    @override
     def save_checkpoint(
         self,
         path: PathLike,
@@ -87,13 +93,21 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(path, state, storage_options=storage_options)
-        self._save_atomically(path, lambda temp: write(temp, state, storage_options=None, filter=filter))
+        optimizers, module = _optimizers_and_model(state)
+        with self._saving_optimizers(module, optimizers) as absent:
+            to_save = {**state, ABSENT_STATE_KEY: absent} if absent else state
+            self._save_atomically(path, lambda temp: write(temp, to_save, storage_options=None, filter=filter))
 
     @override
     def load_checkpoint(
         self, path: PathLike, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
-        return super().load_checkpoint(self._recovered(path), state=state, strict=strict, weights_only=weights_only)
+        path = self._recovered(path)
+        optimizers, module = _optimizers_and_model(state if isinstance(state, dict) else {})
+        with self._loading_optimizers(path, module, optimizers, weights_only):
+            remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
+        remainder.pop(ABSENT_STATE_KEY, None)
+        return remainder
 
     @override
     def clip_gradients_norm(
@@ -115,3 +129,11 @@ class _MixedBackwardSyncControl(BackwardSyncControl):
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return self._sharded.no_sync([module], enabled)
+
+
+def _optimizers_and_model(state: Dict[str, Any]) -> Tuple[Dict[str, Optimizer], Optional[nn.Module]]:
+    """The optimizers of a checkpoint's state by key, and its distributed model (by Lightning's own test) when there
+    is exactly one."""
+    optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+    models = [value for value in state.values() if has_dtensor_modules(value)]
+    return optimizers, models[0] if len(models) == 1 else None

@@ -9,8 +9,18 @@ from torch import nn
 # Fabric's hook for ``no_backward_sync``; strategies subclass it (``lightning.fabric.strategies.strategy``).
 BackwardSyncControl = _BackwardSyncControl
 
-# The file of a Lightning sharded checkpoint that holds the user's metadata (``lightning.fabric.utilities.load``).
+# The file of a Lightning sharded checkpoint that holds everything but the model and optimizers
+# (``lightning.fabric.utilities.load._METADATA_FILENAME``).
 LIGHTNING_METADATA_FILENAME = "meta.pt"
+
+
+def has_dtensor_modules(value: object) -> bool:
+    """Whether ``value`` is a module with DTensor params: Lightning's own test for "the distributed model" of a
+    checkpoint's state (``lightning.fabric.strategies.model_parallel._has_dtensor_modules``), looked up at call time
+    so that what Lightning's save decides and what we decide stay the same."""
+    from lightning.fabric.strategies import model_parallel
+
+    return bool(model_parallel._has_dtensor_modules(value))
 
 
 def optimizers_to_device(optimizers: Iterable[Any], device: Any) -> None:

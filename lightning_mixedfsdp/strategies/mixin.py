@@ -3,13 +3,16 @@ HSDP), handing a module to the pipeline, atomic checkpoints and export. Nothing 
 (``sharding/pipeline.py``) does; these are the adapters that let Lightning drive it."""
 
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Tuple, Type, TypeVar, Union
+from weakref import WeakSet
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_mixedfsdp.checkpoint.atomic import (
     PathLike,
@@ -20,6 +23,11 @@ from lightning_mixedfsdp.checkpoint.atomic import (
     temp_sibling,
 )
 from lightning_mixedfsdp.checkpoint.export import export_adapter, export_model
+from lightning_mixedfsdp.checkpoint.optimizer_state import (
+    AbsentState,
+    restoring_missing_state,
+    standing_in_for_state_ranks_lack,
+)
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes, check_mesh_product, meshes_of_2d
@@ -122,6 +130,10 @@ class MixedFSDP2Mixin:
         self._replicate_size = replicate
         self._meshes = None
         self._sharded = ShardedModels()
+        self._watched: "WeakSet[Optimizer]" = WeakSet()
+        self._making_optimizer_state = (
+            False  # the zero-lr steps that make optimizer state around a save or load are no training steps
+        )
 
     # the methods below override those of the Lightning strategy this class is mixed into (the type checker sees no
     # base here, so they carry no @override)
@@ -211,6 +223,33 @@ class MixedFSDP2Mixin:
             precision.follow_lightning(self.root_device.type)
         return self._sharded.add(sharded)
 
+    def _watch_optimizer(self, optimizer: Optimizer) -> None:
+        """``buffer_sync="average"``: average the models' buffers after each step of ``optimizer`` (once per
+        optimizer, however often it is set up)."""
+        if self._config.buffer_sync == "average" and optimizer not in self._watched:
+            optimizer.register_step_post_hook(self._after_optimizer_step)
+            self._watched.add(optimizer)
+
+    @contextmanager
+    def _saving_optimizers(
+        self, module: Optional[nn.Module], optimizers: Dict[str, Optimizer]
+    ) -> Iterator[AbsentState]:
+        """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others
+        (``checkpoint/optimizer_state.py``); yields the record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
+        self._making_optimizer_state = True
+        try:
+            if module is None or not optimizers:
+                yield {}
+            else:
+                with standing_in_for_state_ranks_lack(module, optimizers) as absent:
+                    yield absent
+        finally:
+            self._making_optimizer_state = False
+
+    def _after_optimizer_step(self, *_: Any) -> None:
+        if not self._making_optimizer_state:
+            self._sharded.after_optimizer_step()
+
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model set up by this strategy)."""
         return self._sharded.plan_of(module)
@@ -261,3 +300,24 @@ class MixedFSDP2Mixin:
             recover(path)
         self.barrier()
         return path
+
+    @contextmanager
+    def _loading_optimizers(
+        self,
+        path: Path,
+        module: Optional[nn.Module],
+        optimizers: Dict[str, Optimizer],
+        weights_only: Optional[bool] = None,
+    ) -> Iterator[None]:
+        """Around Lightning's load: params whose state the checkpoint lacks (they never got a grad) resume as "no
+        state yet" (``checkpoint/optimizer_state.py``), and the zero-lr steps torch takes to make optimizer state
+        are no training steps (no buffer averaging)."""
+        self._making_optimizer_state = True
+        try:
+            if module is None or not optimizers:
+                yield  # Lightning's load raises its own error, or has no optimizer to load
+            else:
+                with restoring_missing_state(path, module, optimizers, weights_only):
+                    yield
+        finally:
+            self._making_optimizer_state = False

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
+from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentState
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
@@ -60,6 +61,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self._absent_state: AbsentState = {}  # what optimizer_state stood in for, for the save that follows
 
     @property
     @override
@@ -97,6 +99,12 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
 
     @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            self._watch_optimizer(optimizer)
+
+    @override
     def model_to_device(self) -> None:
         """Shard every child that holds params (``fully_shard`` moves each shard to the device itself, so no rank
         holds the unsharded model on it), then move the rest (metrics, buffers of param-less children)."""
@@ -122,17 +130,37 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             yield
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """Lightning's, with a stand-in for the state only some ranks hold (the checkpoint records where it stands
+        in: ``checkpoint/optimizer_state.py``)."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        key = f"optimizer_{[id(o) for o in self.optimizers].index(id(inner))}" if inner in self.optimizers else None
+        if key is None:
+            return super().optimizer_state(optimizer)
+        with self._saving_optimizers(self.lightning_module, {key: inner}) as absent:
+            state = super().optimizer_state(optimizer)
+        self._absent_state.update(absent)
+        return state
+
+    @override
     def save_checkpoint(
         self, checkpoint: Dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
     ) -> None:
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(checkpoint, filepath, storage_options=storage_options)
-        self._save_atomically(filepath, lambda temp: write(checkpoint, temp))
+        absent, self._absent_state = self._absent_state, {}
+        to_save = {**checkpoint, ABSENT_STATE_KEY: absent} if absent else checkpoint
+        self._save_atomically(filepath, lambda temp: write(to_save, temp))
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        return super().load_checkpoint(self._recovered(checkpoint_path), weights_only=weights_only)
+        path = self._recovered(checkpoint_path)
+        optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self.optimizers)}
+        with self._loading_optimizers(path, self.lightning_module, optimizers, weights_only):
+            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint.pop(ABSENT_STATE_KEY, None)
+        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:

@@ -65,3 +65,39 @@ def test_a_nested_checkpoint_is_refused_with_the_fix(tmp_path: Path) -> None:
     torch.save({"model": {"w": torch.zeros(1)}, "step": 3}, path)
     with pytest.raises(ValueError, match=r"does not hold a flat name -> tensor dict; .* pass its 'model' entry"):
         read_state_dict(path)
+
+
+def _tied_llama(seed: int = 0) -> torch.nn.Module:
+    from tests.hf_models import tiny_model
+
+    return tiny_model("llama", seed=seed, tie_word_embeddings=True)
+
+
+def test_tied_params_stay_one_tensor_loaded_from_every_tied_name(tmp_path: Path) -> None:
+    source = _tied_llama(seed=1)
+    state = source.state_dict()
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= state.keys()  # a tied model's state dict holds both
+    path = tmp_path / "tied.safetensors"
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path))
+    model = load_weights(_tied_llama(), path, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"].to(torch.bfloat16))
+    with torch.no_grad():  # one tensor: a change through one name shows through the other
+        model.model.embed_tokens.weight[0, 0] = 7.0
+    assert model.lm_head.weight[0, 0] == 7.0
+
+
+def test_tied_params_load_from_one_name_alone(tmp_path: Path) -> None:
+    state = _tied_llama(seed=1).state_dict()
+    del state["lm_head.weight"]
+    model = load_weights(_tied_llama(), state, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_tied_copies_that_differ_are_refused_with_the_fix(tmp_path: Path) -> None:
+    state = {k: v.clone() for k, v in _tied_llama(seed=1).state_dict().items()}
+    state["lm_head.weight"] += 1
+    with pytest.raises(ValueError, match=r"ties .* holds different values for .*tie_word_embeddings=False"):
+        load_weights(_tied_llama(), state, torch.bfloat16)
