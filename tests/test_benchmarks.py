@@ -113,3 +113,15 @@ def test_planner_scale_runs_on_a_public_shape(capsys) -> None:
     assert 116e9 < results["plans"]["gpt_oss_120b"]["params"] < 118e9
     assert results["setup_s"]["gpt_oss_120b"] > 0
     assert "| gpt_oss_120b |" in capsys.readouterr().out
+
+
+def test_buffer_sync_runs_and_only_unsynced_biases_differ_between_ranks(capsys) -> None:
+    from benchmarks import buffer_sync
+
+    results = buffer_sync.main(["--layers", "2", "--hidden", "64", "--steps", "2", "--warmup", "1", "--device", "cpu"])
+    assert results["none"]["bias_spread"] > 0
+    assert results["broadcast"]["bias_spread"] == 0 and results["average"]["bias_spread"] == 0
+    none, broadcast, average = (results[mode]["collectives"] for mode in ("none", "broadcast", "average"))
+    assert broadcast.get("broadcast", 0) - none.get("broadcast", 0) == 1
+    assert average.get("all_reduce", 0) - none.get("all_reduce", 0) == 1
+    assert "| average | 0 | 1 all_reduce |" in capsys.readouterr().out
