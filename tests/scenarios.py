@@ -125,12 +125,14 @@ def make_fabric(world_size: int, precision: str = "32-true", strategy: Any = "mi
     return fabric
 
 
-def train_hf_steps(fabric: Any, model: nn.Module, optimizer: Any, steps: int, batches: int = 0) -> List[float]:
-    """HF causal-LM steps on this rank's slice of the test batches (cycling through ``batches`` of them when set);
-    the per-step local losses."""
+def train_hf_steps(
+    fabric: Any, model: nn.Module, optimizer: Any, steps: int, batches: int = 0, start: int = 0
+) -> List[float]:
+    """HF causal-LM steps ``start`` to ``steps`` on this rank's slice of the test batches (cycling through
+    ``batches`` of them when set); the per-step local losses."""
     world, rank = fabric.world_size, fabric.global_rank
     losses = []
-    for step in range(steps):
+    for step in range(start, steps):
         tokens = rank_slice(global_batch(world, step % batches if batches else step), rank, world)
         loss = model(input_ids=tokens, labels=tokens).loss
         fabric.backward(loss)

@@ -15,6 +15,7 @@ from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.config import BufferSyncMode
 from lightning_mixedfsdp.sharding.adapt import ClassRestore
 from lightning_mixedfsdp.sharding.boundaries import apply_boundaries, is_minority
+from lightning_mixedfsdp.sharding.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.sharding.buffers import BufferSync
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
@@ -24,7 +25,6 @@ from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
     ReplicatedParam,
     as_dtensor,
-    broadcast_from_first_rank,
     fsdp_gradient_divide_factor,
     replicate_params,
 )

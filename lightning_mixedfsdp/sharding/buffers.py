@@ -13,7 +13,7 @@ collective per dtype.
 """
 
 import re
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, own_buffers
 from lightning_mixedfsdp.config import BufferSyncMode
+from lightning_mixedfsdp.sharding.bucketed import average_over_ranks, broadcast_from_first_rank
 from lightning_mixedfsdp.sharding.names import canonical_name
 
 if TYPE_CHECKING:
@@ -65,23 +66,11 @@ class BufferSync:
     def _before_forward(self, *_: Any) -> None:
         self.broadcast()
 
-    @torch.no_grad()
     def broadcast(self) -> None:
-        import torch.distributed as dist
+        broadcast_from_first_rank(self._buffers(), self._group)
 
-        for bucket in _by_dtype(self._buffers()).values():
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(flat, group=self._group, group_src=0)
-            _unflatten_into(flat, bucket)
-
-    @torch.no_grad()
     def average(self) -> None:
-        import torch.distributed as dist
-
-        for bucket in _by_dtype(self._buffers()).values():
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self._group)
-            _unflatten_into(flat, bucket)
+        average_over_ranks(self._buffers(), self._group)
 
     def _buffers(self) -> List[Tensor]:
         # read at each sync: module code may assign a new tensor to a buffer instead of updating it in place
@@ -89,17 +78,3 @@ class BufferSync:
 
         buffers = [own_buffers(module)[attribute] for module, attribute in self._owners]
         return [b.to_local() if isinstance(b, DTensor) else b for b in buffers if b is not None]
-
-
-def _by_dtype(tensors: Sequence[Tensor]) -> Dict[Tuple[torch.dtype, torch.device], List[Tensor]]:
-    buckets: Dict[Tuple[torch.dtype, torch.device], List[Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    return buckets
-
-
-def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()

@@ -59,16 +59,6 @@ def replicate_params(
     return replicated
 
 
-def broadcast_from_first_rank(tensors: Sequence[Tensor], group: "ProcessGroup") -> None:
-    """Make replicas identical: one bucketed broadcast per dtype from data-parallel rank 0."""
-    import torch.distributed as dist
-
-    for bucket in _buckets_by_dtype(tensors).values():
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.broadcast(flat, group=group, group_src=0)
-        _unflatten_into(flat, bucket)
-
-
 def _to_replicate_dtensor(
     owner: nn.Module, name: str, attribute: str, group: ShardGroup, mesh: "DeviceMesh", device: torch.device
 ) -> ReplicatedParam:
@@ -84,20 +74,6 @@ def _to_replicate_dtensor(
     )
     replace_parameter(owner, attribute, replica)
     return ReplicatedParam(name, replica, group.key.reduce)
-
-
-def _buckets_by_dtype(tensors: Sequence[Tensor]) -> Dict[torch.dtype, List[Tensor]]:
-    buckets: Dict[torch.dtype, List[Tensor]] = {}
-    for tensor in tensors:
-        buckets.setdefault(tensor.dtype, []).append(tensor)
-    return buckets
-
-
-def _unflatten_into(flat: Tensor, tensors: Sequence[Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
 
 
 class ReplicatedGradReducer:

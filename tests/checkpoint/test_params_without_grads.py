@@ -12,7 +12,7 @@ from torch import nn
 
 from tests.distributed import accelerator_for, run_distributed
 from tests.hf_models import tiny_model
-from tests.scenarios import global_batch, make_fabric, rank_slice, unwrap
+from tests.scenarios import global_batch, make_fabric, rank_slice, train_hf_steps, unwrap
 
 WORLD = 2
 SAVED_AT, STEPS = 3, 6
@@ -53,18 +53,6 @@ BUILDS: Dict[str, Callable[[int], nn.Module]] = {
 }
 
 
-def _steps(fabric: Any, model: nn.Module, optimizer: Any, steps: range) -> List[float]:
-    losses = []
-    for step in steps:
-        tokens = rank_slice(global_batch(WORLD, step), fabric.global_rank, WORLD)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _state_steps(model: nn.Module, optimizer: Any) -> Dict[str, Optional[float]]:
     """Per param, AdamW's step count on this rank, ``None`` where it has no state."""
     state = optimizer.state
@@ -80,19 +68,19 @@ def _fabric_case(name: str, folder: Path, full_file: bool = False, rank_1_forget
     build = BUILDS[name]
     model = fabric.setup(build(0))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    _steps(fabric, model, optimizer, range(SAVED_AT))
+    train_hf_steps(fabric, model, optimizer, SAVED_AT)
     if rank_1_forgets is not None and fabric.global_rank == 1:
         optimizer.optimizer.state.pop(dict(unwrap(model).named_parameters())[rank_1_forgets])
     path = folder / (f"{name}.ckpt" if full_file else name)
     fabric.save(path, {"model": model, "optimizer": optimizer})
     saved = _state_steps(model, optimizer.optimizer)
-    uninterrupted = _steps(fabric, model, optimizer, range(SAVED_AT, STEPS))
+    uninterrupted = train_hf_steps(fabric, model, optimizer, STEPS, start=SAVED_AT)
 
     fresh = fabric.setup(build(1))
     fresh_optimizer = fabric.setup_optimizers(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     fabric.load(path, {"model": fresh, "optimizer": fresh_optimizer})
     loaded = _state_steps(fresh, fresh_optimizer.optimizer)
-    resumed = _steps(fabric, fresh, fresh_optimizer, range(SAVED_AT, STEPS))
+    resumed = train_hf_steps(fabric, fresh, fresh_optimizer, STEPS, start=SAVED_AT)
     return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "resumed": resumed}
 
 
