@@ -162,8 +162,57 @@ def _export(name: str, world: int, directory: Path) -> Dict[str, Any]:
     }
 
 
+def _meta_init(world: int, expert_parallel_size: int) -> Dict[str, torch.Tensor]:
+    """A model built on the meta device, initialised by the pipeline (HF's own init on rank 0, streamed)."""
+    fabric = make_fabric(world, "bf16-true", _strategy(expert_parallel_size))
+    with fabric.init_module(empty_init=True):
+        model = tiny_model("qwen3_moe")
+    return full_params(fabric.setup(model))
+
+
+def _trainer(world: int, expert_parallel_size: int) -> Dict[str, Any]:
+    """``Trainer(strategy=MixedFSDP2Strategy(expert_parallel_size=...))`` fitting an HF MoE held by a
+    LightningModule (the plan is found on the HF model inside)."""
+    import lightning.pytorch as pl
+
+    from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy
+    from tests.distributed import accelerator_for
+
+    class MoE(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_model("qwen3_moe")
+            self.losses: List[float] = []
+
+        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = pl.Trainer(
+        accelerator=accelerator_for(world),
+        devices=world,
+        strategy=MixedFSDP2Strategy(expert_parallel_size=expert_parallel_size, keep_fp32_params=ROUTERS),
+        precision="bf16-true",
+        max_steps=STEPS,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = MoE()
+    rows = torch.cat([global_batch(world, step) for step in range(STEPS)])
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(rows) // (STEPS * world)))
+    return {"losses": module.losses, "params": full_params(module.model)}
+
+
 def _two_ranks(rank: int, world: int, root: str) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"meta": {e: _meta_init(world, e) for e in (1, 2)}}
+    out["trainer"] = {e: _trainer(world, e) for e in (1, 2)}
     for name in ARCHITECTURES:
         path = Path(root) / f"{name}.ckpt"
         out[name] = {1: _run(name, world, 1), 2: _run(name, world, 2, save=path)}
@@ -283,6 +332,22 @@ def test_report_shows_the_expert_mesh_bytes_and_all_to_alls(two: List[Dict[str, 
     assert "experts per layer 4 -> 2 per rank" in report
     assert "all-to-all per step (predicted): forward 6" in report
     assert "expert-parallel" in report
+
+
+def test_a_meta_model_initialises_to_the_e1_values(two: List[Dict[str, Any]]) -> None:
+    for result in two:
+        e1, e2 = result["meta"][1], result["meta"][2]
+        assert e1.keys() == e2.keys()
+        for key, value in e1.items():
+            assert torch.equal(e2[key], value), key
+
+
+def test_trainer_with_e2_gives_the_e1_losses_and_params(two: List[Dict[str, Any]]) -> None:
+    for result in two:
+        e1, e2 = result["trainer"][1], result["trainer"][2]
+        assert len(e2["losses"]) == STEPS
+        torch.testing.assert_close(torch.tensor(e2["losses"]), torch.tensor(e1["losses"]), **LOSS_TOL)
+        _close(e2["params"], e1["params"], **PARAM_TOL)
 
 
 def test_export_gathers_the_experts_into_one_hf_loadable_folder(two: List[Dict[str, Any]]) -> None:
