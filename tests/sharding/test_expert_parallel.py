@@ -15,7 +15,16 @@ import torch
 
 from tests.distributed import run_distributed
 from tests.hf_models import model_class, tiny_config, tiny_model
-from tests.scenarios import full_grads, full_params, global_batch, make_fabric, rank_slice, unwrap
+from tests.scenarios import (
+    assert_same_state,
+    full_grads,
+    full_params,
+    global_batch,
+    make_fabric,
+    rank_slice,
+    snapshot,
+    unwrap,
+)
 
 ARCHITECTURES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 ROUTERS = [r"mlp\.(gate|router)\.(weight|bias)$"]  # routers in fp32, as a user of these models asks
@@ -93,7 +102,7 @@ def _run(
     }
     meshes = {n: p.device_mesh.mesh_dim_names for n, p in inner.named_parameters() if ".experts." in n}
     routers_after_setup = _fp32_router_state(model)
-    losses, grads, counts = [], {}, Counter()
+    losses, grads, counts, norms = [], {}, Counter(), []
     for step in range(STEPS):
         tokens = rank_slice(global_batch(world, step), fabric.global_rank, world)
         if step == 0:
@@ -106,16 +115,20 @@ def _run(
         else:
             loss = model(input_ids=tokens, labels=tokens).loss
             fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1.0).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    saved = {}
     if save is not None:
         fabric.save(save, {"model": model, "optimizer": optimizer})
+        saved = snapshot(model, optimizer)
     plan = fabric.strategy.plan_of(model)
     return {
         "losses": losses,
+        "grad_norms": norms,
         "grads": grads,
+        "saved": saved,
         "params": full_params(model),
         "local_shapes": local_shapes,
         "meshes": meshes,
@@ -128,18 +141,20 @@ def _run(
     }
 
 
-def _resume_at_e1(name: str, world: int, path: Path) -> Dict[str, Any]:
-    """A fresh E=1 run loads the E=2 checkpoint: params, and routers' dtypes; then trains one step."""
-    fabric = make_fabric(world, "bf16-true", _strategy(1))
+def _resume(name: str, world: int, path: Path, expert_parallel_size: int = 1) -> Dict[str, Any]:
+    """A fresh run (E=1 by default) loads an E=2 checkpoint: params, optimizer state, routers' dtypes; then trains one
+    step."""
+    fabric = make_fabric(world, "bf16-true", _strategy(expert_parallel_size))
     model = fabric.setup(tiny_model(name, seed=1))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     fabric.load(path, {"model": model, "optimizer": optimizer})
+    state = snapshot(model, optimizer)
     params = full_params(model)
     routers = _fp32_router_state(model)
     tokens = rank_slice(global_batch(world, STEPS), fabric.global_rank, world)
     fabric.backward(model(input_ids=tokens, labels=tokens).loss)
     optimizer.step()
-    return {"params": params, "routers": routers, "optimizer_state": len(optimizer.state)}
+    return {"params": params, "routers": routers, "optimizer_state": len(optimizer.state), "state": state}
 
 
 def _export(name: str, world: int, directory: Path) -> Dict[str, Any]:
@@ -198,6 +213,7 @@ def _trainer(world: int, expert_parallel_size: int) -> Dict[str, Any]:
         strategy=MixedFSDP2Strategy(expert_parallel_size=expert_parallel_size, keep_fp32_params=ROUTERS),
         precision="bf16-true",
         max_steps=STEPS,
+        accumulate_grad_batches=2,
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -205,8 +221,8 @@ def _trainer(world: int, expert_parallel_size: int) -> Dict[str, Any]:
         enable_model_summary=False,
     )
     module = MoE()
-    rows = torch.cat([global_batch(world, step) for step in range(STEPS)])
-    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(rows) // (STEPS * world)))
+    rows = torch.cat([global_batch(world, step) for step in range(STEPS)])  # two micro-batches per step and rank
+    trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=len(rows) // (2 * STEPS * world)))
     return {"losses": module.losses, "params": full_params(module.model)}
 
 
@@ -216,26 +232,33 @@ def _two_ranks(rank: int, world: int, root: str) -> Dict[str, Any]:
     for name in ARCHITECTURES:
         path = Path(root) / f"{name}.ckpt"
         out[name] = {1: _run(name, world, 1), 2: _run(name, world, 2, save=path)}
-        out[name]["resumed"] = _resume_at_e1(name, world, path)
+        out[name]["resumed"] = _resume(name, world, path)
     out["export"] = _export("gpt_oss", world, Path(root) / "export")
     return out
 
 
-def _four_ranks(rank: int, world: int) -> Dict[str, Any]:
+def _four_ranks(rank: int, world: int, root: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {name: {1: _run(name, world, 1), 2: _run(name, world, 2)} for name in ARCHITECTURES}
+    # the 2-rank E=2 checkpoint (experts unsharded by FSDP) on 4 ranks, E=2 with the experts FSDP-sharded over 2
+    out["resumed_on_four"] = _resume("qwen3_moe", world, Path(root) / "qwen3_moe.ckpt", expert_parallel_size=2)
     out["hsdp"] = _run("qwen3_moe", world, 2, replicate=2)
     out["checkpointed"] = _run("qwen3_moe", world, 2, activation_checkpointing="full")
     return out
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
-    return run_distributed(_two_ranks, 2, str(tmp_path_factory.mktemp("ep")), timeout=300)
+def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("ep"))
 
 
 @pytest.fixture(scope="module")
-def four() -> List[Dict[str, Any]]:
-    return run_distributed(_four_ranks, 4, timeout=300)
+def two(folder: str) -> List[Dict[str, Any]]:
+    return run_distributed(_two_ranks, 2, folder, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four(two: List[Dict[str, Any]], folder: str) -> List[Dict[str, Any]]:  # loads a checkpoint the 2-rank run saved
+    return run_distributed(_four_ranks, 4, folder, timeout=300)
 
 
 def _close(got: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], rtol: float, atol: float) -> str:
@@ -255,6 +278,8 @@ def _assert_matches_e1(results: List[Dict[str, Any]], key: Any, name: str = "", 
         ep = result[key] if not name else result[name][key]
         e1 = result[baseline or name][1]
         torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(e1["losses"]), **LOSS_TOL)
+        # the clipped norm spans the dense mesh and the (expert_data_parallel, expert_parallel) mesh
+        torch.testing.assert_close(torch.tensor(ep["grad_norms"]), torch.tensor(e1["grad_norms"]), rtol=1e-2, atol=0)
         if rank == 0:
             print(f"{name or key}: max |grad diff| {_close(ep['grads'], e1['grads'], **GRAD_TOL)}", end=", ")
             print(f"max |param diff| {_close(ep['params'], e1['params'], **PARAM_TOL)}")
@@ -313,6 +338,17 @@ def test_a_checkpoint_saved_at_e2_loads_at_e1(two: List[Dict[str, Any]], name: s
         for key, value in saved.items():
             assert resumed[key].dtype == value.dtype and torch.equal(resumed[key], value), key
         assert result[name]["resumed"]["optimizer_state"] == len(saved)
+        # params, buffers and AdamW state (exp_avg, exp_avg_sq, step) bit for bit, experts gathered
+        assert_same_state(result[name]["resumed"]["state"], result[name][2]["saved"])
+
+
+def test_a_checkpoint_saved_on_two_ranks_loads_on_four_with_the_experts_fsdp_sharded(
+    two: List[Dict[str, Any]], four: List[Dict[str, Any]]
+) -> None:
+    saved = two[0]["qwen3_moe"][2]["saved"]
+    assert_same_state(four[0]["resumed_on_four"]["state"], saved)  # rank 0 gathers the optimizer state too
+    for result in four[1:]:
+        assert_same_state(result["resumed_on_four"]["state"], {k: v for k, v in saved.items() if "optim/" not in k})
 
 
 def test_all_to_alls_per_step_are_the_plans(two: List[Dict[str, Any]], four: List[Dict[str, Any]]) -> None:
@@ -345,7 +381,7 @@ def test_a_meta_model_initialises_to_the_e1_values(two: List[Dict[str, Any]]) ->
 def test_trainer_with_e2_gives_the_e1_losses_and_params(two: List[Dict[str, Any]]) -> None:
     for result in two:
         e1, e2 = result["trainer"][1], result["trainer"][2]
-        assert len(e2["losses"]) == STEPS
+        assert len(e2["losses"]) == 2 * STEPS
         torch.testing.assert_close(torch.tensor(e2["losses"]), torch.tensor(e1["losses"]), **LOSS_TOL)
         _close(e2["params"], e1["params"], **PARAM_TOL)
 
