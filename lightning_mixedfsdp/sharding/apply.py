@@ -78,6 +78,12 @@ def apply_plan(
     apply_dtypes(model, plan)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
+        if plan.experts is not None:
+            raise ValueError(
+                f"mixed_fsdp2: expert_parallel_size={plan.experts.size} is applied by the dtype plan, but"
+                " `parallelize_fn` sharded the model with `fully_shard` itself. Remove `fully_shard` from it (tensor"
+                " parallelism and wrappers may stay), or leave expert_parallel_size=1 and apply EP yourself."
+            )
         return model, None
     check_plan_fits(model, plan)
     if plan.experts is not None:

@@ -158,13 +158,21 @@ def _resume(name: str, world: int, path: Path, expert_parallel_size: int = 1) ->
 
 
 def _export(name: str, world: int, directory: Path) -> Dict[str, Any]:
-    """E=2 set-up exported; rank 0 loads it with HF and compares with the gathered params."""
+    """E=2 set-up exported; a meta E=2 model streams it back in (``load_full_weights``); rank 0 loads it with HF."""
+    from lightning_mixedfsdp import load_full_weights
+
     fabric = make_fabric(world, "bf16-true", _strategy(2))
     model = fabric.setup(tiny_model(name))
     fabric.strategy.export_safetensors(model, directory)
     expected = full_params(model)
+    fabric = make_fabric(world, "bf16-true", _strategy(2, init_meta_params=False))
+    with fabric.init_module(empty_init=True):
+        empty = tiny_model(name, seed=1)
+    empty = fabric.setup(empty)
+    load_full_weights(empty, directory)
+    streamed = full_params(empty)
     if fabric.global_rank != 0:
-        return {}
+        return {"streamed": streamed, "expected": expected}
     from safetensors.torch import load_file
 
     tiny_config(name).save_pretrained(directory)
@@ -172,6 +180,7 @@ def _export(name: str, world: int, directory: Path) -> Dict[str, Any]:
     files = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
     return {
         "expected": expected,
+        "streamed": streamed,
         "loaded": {n: p.detach().clone() for n, p in loaded.named_parameters()},
         "files": {k: (v.dtype, tuple(v.shape)) for k, v in files.items()},
     }
@@ -226,8 +235,23 @@ def _trainer(world: int, expert_parallel_size: int) -> Dict[str, Any]:
     return {"losses": module.losses, "params": full_params(module.model)}
 
 
+def _self_sharded(world: int) -> str:
+    """E=2 with a ``parallelize_fn`` that calls ``fully_shard`` itself: refused, not silently left without EP."""
+    from torch.distributed.fsdp import fully_shard
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    fabric = make_fabric(world, "32-true", _strategy(2, parallelize_fn=parallelize))
+    try:
+        fabric.setup(tiny_model("qwen3_moe"))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _two_ranks(rank: int, world: int, root: str) -> Dict[str, Any]:
-    out: Dict[str, Any] = {"meta": {e: _meta_init(world, e) for e in (1, 2)}}
+    out: Dict[str, Any] = {"meta": {e: _meta_init(world, e) for e in (1, 2)}, "self_sharded": _self_sharded(world)}
     out["trainer"] = {e: _trainer(world, e) for e in (1, 2)}
     for name in ARCHITECTURES:
         path = Path(root) / f"{name}.ckpt"
@@ -370,6 +394,14 @@ def test_report_shows_the_expert_mesh_bytes_and_all_to_alls(two: List[Dict[str, 
     assert "expert-parallel" in report
 
 
+def test_a_parallelize_fn_that_shards_itself_is_refused_with_the_fix(two: List[Dict[str, Any]]) -> None:
+    for result in two:
+        assert result["self_sharded"].startswith(
+            "mixed_fsdp2: expert_parallel_size=2 is applied by the dtype plan, but `parallelize_fn` sharded the model"
+        ), result["self_sharded"]
+        assert "Remove `fully_shard` from it" in result["self_sharded"]
+
+
 def test_a_meta_model_initialises_to_the_e1_values(two: List[Dict[str, Any]]) -> None:
     for result in two:
         e1, e2 = result["meta"][1], result["meta"][2]
@@ -386,7 +418,9 @@ def test_trainer_with_e2_gives_the_e1_losses_and_params(two: List[Dict[str, Any]
         _close(e2["params"], e1["params"], **PARAM_TOL)
 
 
-def test_export_gathers_the_experts_into_one_hf_loadable_folder(two: List[Dict[str, Any]]) -> None:
+def test_export_gathers_the_experts_into_one_hf_loadable_folder_that_streams_back_into_e2(
+    two: List[Dict[str, Any]],
+) -> None:
     export = two[0]["export"]
     assert export["loaded"].keys() == export["expected"].keys() == export["files"].keys()
     for key, value in export["expected"].items():
@@ -395,3 +429,7 @@ def test_export_gathers_the_experts_into_one_hf_loadable_folder(two: List[Dict[s
         assert torch.equal(export["loaded"][key], value.to(torch.bfloat16)), key
     assert export["files"]["model.layers.0.mlp.router.weight"][0] == torch.float32
     assert export["files"]["model.layers.0.mlp.experts.gate_up_proj"][1][0] == 4
+    for result in two:  # streamed back into E=2 shards, every rank
+        assert result["export"]["streamed"].keys() == result["export"]["expected"].keys()
+        for key, value in result["export"]["expected"].items():
+            assert torch.equal(result["export"]["streamed"][key], value), key
