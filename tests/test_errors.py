@@ -204,6 +204,20 @@ def test_expert_parallel_size_must_divide_the_experts() -> None:
         plan_sharding(tiny_model("qwen3_moe"), MixedFSDPConfig(expert_parallel_size=3), "bf16-true")
 
 
+def test_every_param_of_an_experts_module_must_be_split() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"cannot shard Qwen3MoeForCausalLM: model.layers.0.mlp.experts.gate_up_proj lies in"
+        r" model.layers.0.mlp.experts but is not split \(give it 'grouped_gemm'\).*or fix expert_parallel_plan",
+    ):
+        config = MixedFSDPConfig(expert_parallel_size=2, expert_parallel_plan=plan)
+        plan_sharding(tiny_model("qwen3_moe"), config, "bf16-true")
+
+
 def test_expert_params_must_share_one_dtype() -> None:
     from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
     from tests.hf_models import tiny_model

@@ -20,6 +20,7 @@ from torch import nn
 
 from lightning_mixedfsdp._transformers_compat import (
     EXPERTS_STYLE,
+    SPLIT_STYLE,
     apply_expert_parallelism,
     model_ep_plan,
     wildcard_name,
@@ -90,6 +91,11 @@ def plan_experts(
     num_experts: Dict[str, int] = {}
     problems = [f"{p} is split over the EP ranks but lies in no {EXPERTS_STYLE!r} module" for p in stray]
     for module in modules:
+        own = [f"{module}.{n}" for n, _ in index.inner[module].named_parameters()]
+        unsplit = [p for p in own if p not in params]
+        if unsplit:  # its forward indexes every param by the local expert id
+            problems.append(f"{unsplit[0]} lies in {module} but is not split (give it {SPLIT_STYLE!r})")
+            continue
         counts = {tuple(_param_shape(index, p))[0] for p in params if is_within(p, module)}
         if len(counts) != 1:
             problems.append(f"{module}: its split params disagree on the number of experts ({sorted(counts)})")
@@ -148,14 +154,18 @@ def _expand(index: ModuleIndex, wildcard: Dict[str, str]) -> Dict[str, str]:
     """transformers' ``_expand_parallel_plan``: per module, its own params that a rule names, then the module."""
     plan: Dict[str, str] = {}
     for name, module in index.named_modules():
+        if not name:
+            continue
+        module_style = wildcard.get(wildcard_name(name))
         for param_name, _ in module.named_parameters(recurse=False):
-            full = f"{name}.{param_name}" if name else param_name
-            style = wildcard.get(wildcard_name(full)) or wildcard.get(wildcard_name(name)) if name else None
+            full = f"{name}.{param_name}"
+            # a param's own rule, else its module's (transformers' `.weight`/`.bias` fallback); the experts' dispatch
+            # style shards no param
+            style = wildcard.get(wildcard_name(full)) or module_style
             if style is not None and style != EXPERTS_STYLE:
                 plan[full] = style
-        style = wildcard.get(wildcard_name(name)) if name else None
-        if style is not None:
-            plan[name] = style
+        if module_style is not None:
+            plan[name] = module_style
     return plan
 
 
