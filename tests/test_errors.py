@@ -251,3 +251,19 @@ def test_expert_parallelism_with_tensor_parallelism_is_refused() -> None:
         r" tensor_parallel_size=1 with expert parallelism",
     ):
         check_expert_parallel_size(2, 2, 2, "MixedFSDP2Strategy")
+
+
+def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
+    from lightning_mixedfsdp.sharding.apply import apply_plan
+    from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+    from tests.hf_models import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    plan = plan_sharding(model, MixedFSDPConfig(expert_parallel_size=2), "bf16-true")
+    meshes = ParallelMeshes(root=None, fsdp=None, data_parallel=None)  # no processes needed: refused before any use
+    with pytest.raises(
+        ValueError,
+        match=r"mixed_fsdp2: the plan splits experts over 2 ranks, but the meshes hold no expert mesh. Pass"
+        r" `ParallelMeshes\(..., experts=build_expert_meshes\(...\)\)` to `shard_model`",
+    ):
+        apply_plan(model, plan, meshes, torch.device("cpu"), lambda module, _: module)

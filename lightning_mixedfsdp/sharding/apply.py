@@ -89,8 +89,9 @@ def apply_plan(
     if plan.experts is not None:
         if meshes.experts is None:
             raise ValueError(
-                f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks but no expert mesh was built;"
-                " set expert_parallel_size on the strategy, not only on the plan."
+                f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks, but the meshes hold no expert"
+                " mesh. Pass `ParallelMeshes(..., experts=build_expert_meshes(...))` to `shard_model` (the strategies"
+                " build it from their expert_parallel_size), or plan with expert_parallel_size=1."
             )
         apply_expert_parallel(model, plan.experts, meshes.experts.expert_parallel, meshes.experts.tensor_parallel)
     top_units = list(plan.outermost_units)
