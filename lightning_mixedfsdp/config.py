@@ -124,6 +124,17 @@ class MixedFSDPConfig:
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
 
+    expert_parallel_size: int = 1
+    """Expert parallelism: each MoE layer's experts split over this many ranks (mesh dim ``expert_parallel``), each
+    holding and computing ``num_experts / expert_parallel_size`` of them; tokens reach their experts by all-to-all
+    (transformers' own EP plan and styles). It splits the data-parallel shard ranks, so it must divide them; the
+    experts are FSDP-sharded over the ranks holding the same ones (``expert_data_parallel``). ``1``: off."""
+
+    expert_parallel_plan: Optional[Dict[str, str]] = None
+    """The expert-parallel plan in transformers' format, names relative to the model set up with ``*`` for layer
+    numbers: ``{"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.gate_up_proj":
+    "grouped_gemm", ...}``. ``None``: the plan the HF model declares (``config.base_model_ep_plan``)."""
+
     def problems(self) -> List[str]:
         """Every problem of this config, each with its fix; empty when valid."""
         problems = []
@@ -157,6 +168,12 @@ class MixedFSDPConfig:
             problems.append(
                 f"replicate_below_bytes={self.replicate_below_bytes!r} must be an int >= 0; use 0 to shard every group."
             )
+        if not isinstance(self.expert_parallel_size, int) or self.expert_parallel_size < 1:
+            problems.append(
+                f"expert_parallel_size={self.expert_parallel_size!r} must be an int >= 1; use 1 to leave expert"
+                " parallelism off."
+            )
+        problems.extend(_expert_plan_problems(self.expert_parallel_plan))
         if self.storage == "bf16" and self.compute_dtype == "fp32":
             problems.append(
                 "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
@@ -194,6 +211,21 @@ class MixedFSDPConfig:
                 f"MixedFSDPConfig got unknown field(s) {unknown}. Valid fields: {sorted(known)}."
             )
         return cls(**kwargs)
+
+
+def _expert_plan_problems(plan: Any) -> List[str]:
+    from lightning_mixedfsdp._transformers_compat import EXPERTS_STYLE, SPLIT_STYLE
+
+    if plan is None:
+        return []
+    styles = (EXPERTS_STYLE, SPLIT_STYLE)
+    if not hasattr(plan, "items") or not plan:
+        return [f"expert_parallel_plan={plan!r} must be a non-empty mapping of names to {list(styles)}, or None."]
+    return [
+        f"expert_parallel_plan[{name!r}]={style!r} is not supported; use one of {list(styles)}."
+        for name, style in plan.items()
+        if style not in styles
+    ]
 
 
 def parse_activation_checkpointing(mode: str) -> int:

@@ -125,3 +125,18 @@ def test_buffer_sync_runs_and_only_unsynced_biases_differ_between_ranks(capsys) 
     assert broadcast.get("broadcast", 0) - none.get("broadcast", 0) == 1
     assert average.get("all_reduce", 0) - none.get("all_reduce", 0) == 1
     assert "| average | 0 | 1 all_reduce |" in capsys.readouterr().out
+
+
+def test_expert_parallel_benchmark_runs_and_e2_halves_the_gathered_experts(tmp_path: Path, capsys) -> None:
+    from benchmarks import expert_parallel
+
+    out = tmp_path / "expert_parallel.json"
+    argv = ["--world-size", "2", "--sizes", "1", "2", "--hidden", "32", "--experts", "4", "--steps", "1"]
+    results = expert_parallel.main(argv + ["--warmup", "1", "--out", str(out)])
+    e1, e2 = results["1"], results["2"]
+    assert (e1["experts_per_rank"], e2["experts_per_rank"]) == (4, 2)
+    assert e1["all_to_alls_per_step"] == 0 and e2["all_to_alls_per_step"] == 2 * (3 + 2)  # 2 layers
+    assert e2["unsharded_experts_per_layer_mib"] == e1["unsharded_experts_per_layer_mib"] / 2
+    assert e2["all_gather_mib_per_step"] < e1["all_gather_mib_per_step"]
+    assert json.loads(out.read_text())["results"].keys() == results.keys()
+    assert "| 2 | 2 |" in capsys.readouterr().out

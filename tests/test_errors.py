@@ -149,3 +149,121 @@ def test_a_non_finite_grad_norm_raises_with_the_fix_when_asked() -> None:
     with pytest.raises(RuntimeError, match=r"non-finite \(inf\), so it cannot be clipped. Set `error_if_nonfinite=Fa"):
         clip_grad_norm_([param], 1.0, error_if_nonfinite=True)
     assert torch.equal(param.grad, torch.tensor([1.0, float("inf"), 0.0]))  # nothing scaled
+
+
+def test_expert_parallel_size_below_one() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"expert_parallel_size=0 must be an int >= 1; use 1 to leave expert"
+    ):
+        MixedFSDPConfig(expert_parallel_size=0).validate()
+
+
+def test_expert_parallel_plan_with_an_unknown_style() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError,
+        match=r"expert_parallel_plan\['layers.\*.mlp.experts'\]='colwise' is not supported; use one of"
+        r" \['ep_dispatch_experts', 'grouped_gemm'\]",
+    ):
+        MixedFSDPConfig(expert_parallel_plan={"layers.*.mlp.experts": "colwise"}).validate()
+
+
+def test_expert_parallelism_needs_a_model_with_an_ep_plan() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"expert_parallel_size=2: LlamaForCausalLM declares no expert-parallel plan .* Pass your own as"
+        r" expert_parallel_plan=.*, or leave expert_parallel_size=1",
+    ):
+        plan_sharding(tiny_model("llama"), MixedFSDPConfig(expert_parallel_size=2), "bf16-true")
+
+
+def test_expert_parallel_plan_that_names_no_module() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"the expert-parallel plan of Qwen3MoeForCausalLM names no module of it with the 'ep_dispatch_experts'"
+        r" style .* Fix the names \(relative to Qwen3MoeForCausalLM",
+    ):
+        config = MixedFSDPConfig(expert_parallel_size=2, expert_parallel_plan={"layers.*.moe": "ep_dispatch_experts"})
+        plan_sharding(tiny_model("qwen3_moe"), config, "bf16-true")
+
+
+def test_expert_parallel_size_must_divide_the_experts() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"expert_parallel_size=3 cannot shard Qwen3MoeForCausalLM: model.layers.0.mlp.experts holds 4 experts,"
+        r" which 3 ranks cannot split evenly.*Choose an expert_parallel_size that divides the number of experts",
+    ):
+        plan_sharding(tiny_model("qwen3_moe"), MixedFSDPConfig(expert_parallel_size=3), "bf16-true")
+
+
+def test_every_param_of_an_experts_module_must_be_split() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"cannot shard Qwen3MoeForCausalLM: model.layers.0.mlp.experts.gate_up_proj lies in"
+        r" model.layers.0.mlp.experts but is not split \(give it 'grouped_gemm'\).*or fix expert_parallel_plan",
+    ):
+        config = MixedFSDPConfig(expert_parallel_size=2, expert_parallel_plan=plan)
+        plan_sharding(tiny_model("qwen3_moe"), config, "bf16-true")
+
+
+def test_expert_params_must_share_one_dtype() -> None:
+    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from tests.hf_models import tiny_model
+
+    with pytest.raises(
+        ExpertParallelError,
+        match=r"the params of model.layers.1.mlp.experts in Qwen3MoeForCausalLM would have more than one dtype .*"
+        r" narrow keep_fp32_modules / keep_fp32_params so they skip the experts",
+    ):
+        config = MixedFSDPConfig(expert_parallel_size=2, keep_fp32_params=[r"experts\.down_proj$"])
+        plan_sharding(tiny_model("qwen3_moe"), config, "bf16-true")
+
+
+def test_expert_parallel_size_must_divide_the_data_parallel_ranks() -> None:
+    from lightning_mixedfsdp.sharding.mesh import check_expert_parallel_size
+
+    with pytest.raises(
+        ValueError,
+        match=r"MixedFSDP2Strategy: expert_parallel_size=2 must divide the data-parallel shard ranks"
+        r" \(data_parallel_size=3\).*use a divisor of it",
+    ):
+        check_expert_parallel_size(2, 3, 1, "MixedFSDP2Strategy")
+
+
+def test_expert_parallelism_with_tensor_parallelism_is_refused() -> None:
+    from lightning_mixedfsdp.sharding.mesh import check_expert_parallel_size
+
+    with pytest.raises(
+        ValueError,
+        match=r"MixedFSDP2Strategy: expert_parallel_size=2 with tensor_parallel_size=2 is not supported; use"
+        r" tensor_parallel_size=1 with expert parallelism",
+    ):
+        check_expert_parallel_size(2, 2, 2, "MixedFSDP2Strategy")
+
+
+def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
+    from lightning_mixedfsdp.sharding.apply import apply_plan
+    from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+    from tests.hf_models import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    plan = plan_sharding(model, MixedFSDPConfig(expert_parallel_size=2), "bf16-true")
+    meshes = ParallelMeshes(root=None, fsdp=None, data_parallel=None)  # no processes needed: refused before any use
+    with pytest.raises(
+        ValueError,
+        match=r"mixed_fsdp2: the plan splits experts over 2 ranks, but the meshes hold no expert mesh. Pass"
+        r" `ParallelMeshes\(..., experts=build_expert_meshes\(...\)\)` to `shard_model`",
+    ):
+        apply_plan(model, plan, meshes, torch.device("cpu"), lambda module, _: module)

@@ -5,11 +5,13 @@ seconds.
     python -m lightning_mixedfsdp.plan --hf-config config.json --world-size 64 --gpu-memory 80
     python -m lightning_mixedfsdp.plan --hf-config model_dir --world-size 512 --replicate 64 --precision bf16-mixed
     python -m lightning_mixedfsdp.plan --recipe conf/hf_qwen3_next_tiny.yaml --world-size 8
+    python -m lightning_mixedfsdp.plan --hf-config gpt_oss_120b.json --world-size 64 --expert-parallel 8
 """
 
 import argparse
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -41,12 +43,14 @@ def format_summary(
 ) -> str:
     hsdp = replicate > 1
     collectives = plan.predicted_collectives(hsdp=hsdp)
+    shard = world_size // replicate
     lines = [
-        f"world size {world_size}: {'HSDP ' + str(replicate) + ' x ' if hsdp else 'FSDP over '}"
-        f"{world_size // replicate} shard ranks",
+        f"world size {world_size}: {'HSDP ' + str(replicate) + ' x ' if hsdp else 'FSDP over '}{shard} shard ranks",
         "collectives per step: " + ", ".join(f"{k} {v}" for k, v in collectives.items()),
-        "training state per rank (activations not included):",
     ]
+    if plan.experts is not None:
+        lines += plan.expert_report(expert_shard_ranks=shard // plan.experts.size)
+    lines += ["training state per rank (activations not included):"]
     lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
     lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
     if gpu_memory_gb is not None:
@@ -72,6 +76,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--precision", default=None, help="bf16-true (default), bf16-mixed or 32-true")
     parser.add_argument("--recipe", help="a recipe YAML: its strategy section and precision are used")
     parser.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU, to say whether it fits")
+    parser.add_argument(
+        "--expert-parallel", type=int, default=None, help="expert_parallel_size (overrides the recipe's); default 1"
+    )
     return parser.parse_args(argv)
 
 
@@ -87,13 +94,21 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         hf_source = hf_source or recipe.model.hf_source()
     precision = args.precision or precision
     replicate = args.replicate or replicate
-    problems = []
+    if args.expert_parallel is not None:
+        config = replace(config, expert_parallel_size=args.expert_parallel)
+    experts = config.expert_parallel_size
+    problems = [f"--expert-parallel {experts}: {p}" for p in config.problems() if p.startswith("expert_parallel_size")]
     if hf_source is None:
         problems.append("no model: pass --hf-config PATH (or a --recipe whose model names an HF config)")
     if precision_problem(precision):
         problems.append(f"--{precision_problem(precision)}")
     if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
         problems.append(f"--world-size {args.world_size} must be a positive multiple of --replicate {replicate}")
+    elif isinstance(experts, int) and experts > 1 and (args.world_size // replicate) % experts:
+        problems.append(
+            f"--expert-parallel {experts} must divide the shard ranks (--world-size {args.world_size} / --replicate"
+            f" {replicate})"
+        )
     if problems:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + "; ".join(problems))
     return load_hf_config(hf_source), config, precision, replicate

@@ -17,6 +17,7 @@ from lightning_mixedfsdp.sharding.adapt import ClassRestore
 from lightning_mixedfsdp.sharding.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.sharding.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.sharding.buffers import BufferSync
+from lightning_mixedfsdp.sharding.expert_parallel import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
@@ -77,8 +78,22 @@ def apply_plan(
     apply_dtypes(model, plan)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
+        if plan.experts is not None:
+            raise ValueError(
+                f"mixed_fsdp2: expert_parallel_size={plan.experts.size} is applied by the dtype plan, but"
+                " `parallelize_fn` sharded the model with `fully_shard` itself. Remove `fully_shard` from it (tensor"
+                " parallelism and wrappers may stay), or leave expert_parallel_size=1 and apply EP yourself."
+            )
         return model, None
     check_plan_fits(model, plan)
+    if plan.experts is not None:
+        if meshes.experts is None:
+            raise ValueError(
+                f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks, but the meshes hold no expert"
+                " mesh. Pass `ParallelMeshes(..., experts=build_expert_meshes(...))` to `shard_model` (the strategies"
+                " build it from their expert_parallel_size), or plan with expert_parallel_size=1."
+            )
+        apply_expert_parallel(model, plan.experts, meshes.experts.expert_parallel, meshes.experts.tensor_parallel)
     top_units = list(plan.outermost_units)
     if checkpoint_every:
         apply_activation_checkpointing(model, top_units[::-1][::checkpoint_every])
@@ -90,7 +105,7 @@ def apply_plan(
     restores += apply_boundaries(index, plan.sharded_groups, recompute_boundaries)
     ignored = {replica.param for replica in replicas}
     for group in plan.sharded_groups:
-        apply_fully_shard(index, group, meshes.fsdp, reshard_after_forward, ignored)
+        apply_fully_shard(index, group, meshes, reshard_after_forward, ignored)
     handles: List[RemovableHandle] = []
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
@@ -212,10 +227,12 @@ def mp_policy(group: ShardGroup) -> "MixedPrecisionPolicy":
 def apply_fully_shard(
     index: ModuleIndex,
     group: ShardGroup,
-    mesh: "DeviceMesh",
+    meshes: ParallelMeshes,
     reshard_after_forward: bool,
     ignored: Set[nn.Parameter],
 ) -> None:
+    """One ``fully_shard``: over the data-parallel shard ranks, or for an experts group over the ranks holding the
+    same experts, with the divide factor that averages its grads over all data-parallel ranks."""
     from torch.distributed.fsdp import fully_shard
 
     # on the outermost module of each name: a checkpoint or compile wrapper, as torchtitan shards them
@@ -223,7 +240,11 @@ def apply_fully_shard(
     # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward)
     reshard: Optional[bool] = None if group.is_root and reshard_after_forward else reshard_after_forward
     target = modules[0] if len(modules) == 1 else modules
+    experts = meshes.experts if group.expert else None
+    mesh = experts.fsdp if experts is not None else meshes.fsdp
     fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group), ignored_params=ignored)
+    if experts is not None:
+        set_expert_reduction(modules[0], meshes.data_parallel.size(), experts.shard_size)
 
 
 def _already_sharded(model: nn.Module) -> bool:

@@ -1,7 +1,8 @@
-"""Device meshes for data parallelism: pure FSDP (1-D) or HSDP (replicate x shard), plus tensor parallelism."""
+"""Device meshes for data parallelism: pure FSDP (1-D) or HSDP (replicate x shard), plus tensor parallelism, and the
+expert meshes of expert parallelism."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from lightning_mixedfsdp._torch_compat import flatten_mesh
 
@@ -14,6 +15,29 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
     "data_parallel",
     "tensor_parallel",
 )
+EXPERT_DATA_PARALLEL, EXPERT_PARALLEL = "expert_data_parallel", "expert_parallel"
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Expert parallelism splits the data-parallel shard ranks into ``expert_data_parallel x expert_parallel``
+    (EP innermost: an EP group is adjacent ranks, on GPUs one node); HSDP replicas stay outside."""
+
+    root: "DeviceMesh"
+    """``(expert_data_parallel, expert_parallel)``, or with HSDP ``(data_parallel_replicate, expert_data_parallel,
+    expert_parallel)``: the mesh the expert params live on."""
+    fsdp: "DeviceMesh"
+    """The mesh the experts modules are ``fully_shard``-ed over: the ranks holding the same experts (with HSDP 2-D,
+    replicate x expert_data_parallel)."""
+    expert_parallel: "DeviceMesh"
+    """The ranks one MoE layer's experts are split over; tokens move between them by all-to-all."""
+    tensor_parallel: "DeviceMesh"
+    """The ranks sharing one batch (size 1: expert parallelism does not compose with tensor parallelism here)."""
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks the experts' FSDP reduce-scatter runs over (``expert_data_parallel``)."""
+        return self.root[EXPERT_DATA_PARALLEL].size()
 
 
 @dataclass(frozen=True)
@@ -25,6 +49,8 @@ class ParallelMeshes:
     """The mesh handed to ``fully_shard``: 1-D (shard) or, for HSDP, 2-D (replicate, shard)."""
     data_parallel: "DeviceMesh"
     """All data-parallel ranks flattened into one dim: the group replicated gradients are averaged over."""
+    experts: Optional[ExpertMeshes] = None
+    """The expert meshes when ``expert_parallel_size > 1``."""
 
 
 def meshes_of_2d(root: "DeviceMesh") -> ParallelMeshes:
@@ -70,3 +96,46 @@ def build_parallel_meshes(
     data_parallel = flatten_mesh(root[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
     fsdp = root[DP_REPLICATE, DP_SHARD] if replicate_size > 1 else root[DP_SHARD]
     return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel)
+
+
+def check_expert_parallel_size(
+    expert_parallel_size: int, shard_size: int, tensor_parallel_size: int, owner: str
+) -> None:
+    """Expert parallelism splits the data-parallel shard ranks; it needs a size that divides them, and no TP."""
+    problems = []
+    if shard_size % expert_parallel_size:
+        problems.append(
+            f"expert_parallel_size={expert_parallel_size} must divide the data-parallel shard ranks"
+            f" (data_parallel_size={shard_size}): the experts are split over ranks that hold different batches; use a"
+            " divisor of it"
+        )
+    if tensor_parallel_size != 1:
+        problems.append(
+            f"expert_parallel_size={expert_parallel_size} with tensor_parallel_size={tensor_parallel_size} is not"
+            " supported; use tensor_parallel_size=1 with expert parallelism"
+        )
+    if problems:
+        raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
+
+
+def build_expert_meshes(
+    device_type: str, replicate_size: int, shard_size: int, expert_parallel_size: int, tensor_parallel: "DeviceMesh"
+) -> ExpertMeshes:
+    """The meshes of :class:`ExpertMeshes`, rank for rank aligned with the dense data-parallel mesh (rank ``r * shard
+    + s`` holds batch ``s`` of replica ``r`` in both)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    expert_shard = shard_size // expert_parallel_size
+    if replicate_size == 1:
+        root = init_device_mesh(
+            device_type, (expert_shard, expert_parallel_size), mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL)
+        )
+        fsdp = root[EXPERT_DATA_PARALLEL]
+    else:
+        root = init_device_mesh(
+            device_type,
+            (replicate_size, expert_shard, expert_parallel_size),
+            mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
+        )
+        fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
+    return ExpertMeshes(root=root, fsdp=fsdp, expert_parallel=root[EXPERT_PARALLEL], tensor_parallel=tensor_parallel)

@@ -5,7 +5,7 @@ Names are canonical (``sharding/names.py``), so the plan fits the model before a
 """
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.sharding.construction import constructed_buffer_dtypes
+from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError, ExpertPlan, plan_experts
 from lightning_mixedfsdp.sharding.matching import (
     KeepFp32Matches,
     KeepFp32Rules,
@@ -59,6 +60,8 @@ class ShardGroup:
     is_root: bool = False
     reason: str = ""
     """Why a group is replicated: ``"inseparable"`` or ``"small"``."""
+    expert: bool = False
+    """An experts module under expert parallelism: sharded over the ranks holding the same experts."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,8 @@ class ShardPlan:
     keep_fp32_modules: Tuple[str, ...] = ()
     """Modules matched by a keep-fp32 class rule: they compute in fp32 on purpose."""
     warnings: Tuple[str, ...] = ()
+    experts: Optional[ExpertPlan] = None
+    """Expert parallelism: the experts modules, their split params and the plan handed to transformers."""
 
     @property
     def sharded_groups(self) -> Tuple[ShardGroup, ...]:
@@ -130,11 +135,15 @@ class ShardPlan:
         non_root = [g for g in with_params if not g.is_root]
         replicated_dtypes = {self.params[p].key.reduce for p in self.replicated_params if self.params[p].requires_grad}
         all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
-        return {
+        predicted = {
             "all_gather": all_gathers,
             "reduce_scatter": len(trainable),
             "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
         }
+        if self.experts is not None:
+            all_to_alls = self.experts.all_to_alls_per_step()
+            predicted["all_to_all"] = all_to_alls["forward"] + all_to_alls["backward"]
+        return predicted
 
     @property
     def outermost_units(self) -> Tuple[str, ...]:
@@ -143,6 +152,7 @@ class ShardPlan:
 
     def report(self) -> str:
         """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
+        in_experts = {n for m in (self.experts.modules if self.experts else ()) for n in self._params_in(m)}
         param_rows = [
             (
                 collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
@@ -150,7 +160,7 @@ class ShardPlan:
                 short_dtype(p.key.storage),
                 short_dtype(p.key.compute),
                 short_dtype(p.key.reduce),
-                "replicated" if p.replicated else "sharded",
+                "replicated" if p.replicated else "expert-parallel" if p.name in in_experts else "sharded",
                 collapse_indices(p.group),
                 p.rule or "-",
             )
@@ -174,12 +184,49 @@ class ShardPlan:
             "collectives per step (predicted): "
             + ", ".join(f"{k} {v}" for k, v in self.predicted_collectives().items()),
         ]
+        if self.experts is not None:
+            summary += self.expert_report()
         lines = summary + [""] + format_table(header, param_rows)
         if buffer_rows:
             lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
         if self.warnings:
             lines += [""] + [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def expert_bytes(self, expert_shard_ranks: int = 1) -> Tuple[int, int]:
+        """(all expert params' bytes, the bytes one rank stores: split over the EP ranks, then FSDP-sharded over the
+        ``expert_shard_ranks`` holding the same experts)."""
+        if self.experts is None:
+            return 0, 0
+        total = sum(self.params[p].nbytes for m in self.experts.modules for p in self._params_in(m))
+        return total, total // (self.experts.size * expert_shard_ranks)
+
+    def expert_report(self, expert_shard_ranks: Optional[int] = None) -> List[str]:
+        """The expert lines of the report: mesh, per-rank experts and bytes, all-to-alls per step."""
+        experts = self.experts
+        if experts is None:
+            return []
+        counts = sorted(set(experts.num_experts.values()))
+        total, per_rank = self.expert_bytes(expert_shard_ranks or 1)
+        all_to_alls = experts.all_to_alls_per_step()
+        layers = len(experts.modules)
+        shard = (
+            f"expert_data_parallel = data-parallel shard ranks / {experts.size}"
+            if expert_shard_ranks is None
+            else f"expert_data_parallel={expert_shard_ranks}"
+        )
+        return [
+            f"expert parallel: expert_parallel={experts.size} x {shard}; {layers} MoE layers, experts per layer"
+            f" {'/'.join(map(str, counts))} -> {'/'.join(str(c // experts.size) for c in counts)} per rank",
+            f"expert params: {format_bytes(total)} in all, {format_bytes(per_rank)} per rank"
+            + ("" if expert_shard_ranks else " before FSDP sharding over expert_data_parallel"),
+            f"all-to-all per step (predicted): forward {all_to_alls['forward']} ({layers} layers x (dispatch + combine"
+            f" + split sizes)), backward {all_to_alls['backward']} ({layers} layers x (dispatch + combine)); an"
+            " activation-checkpointed layer adds its forward's again in backward",
+        ]
+
+    def _params_in(self, module: str) -> List[str]:
+        return [n for n in self.params if is_within(n, module)]
 
     def __str__(self) -> str:
         return self.report()
@@ -204,6 +251,8 @@ def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes) 
         replicate_below_bytes=config.replicate_below_bytes,
         pin_frozen_modules=config.pin_frozen_modules,
         cast_buffers=config.cast_buffers,
+        expert_parallel_size=config.expert_parallel_size,
+        expert_parallel_plan=config.expert_parallel_plan,
     )
 
 
@@ -215,15 +264,26 @@ def plan_model(
     replicate_below_bytes: int = 1 << 20,
     pin_frozen_modules: bool = True,
     cast_buffers: bool = False,
+    expert_parallel_size: int = 1,
+    expert_parallel_plan: Optional[Dict[str, str]] = None,
 ) -> ShardPlan:
-    """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass."""
+    """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass. With
+    ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``)."""
     index = ModuleIndex(model)
     matches = match_keep_fp32(model, rules, index)
     frozen = find_frozen_modules(model, index) if pin_frozen_modules else []
     units = find_wrap_units(index, wrap_units)
+    experts = (
+        plan_experts(model, index, expert_parallel_size, expert_parallel_plan) if expert_parallel_size > 1 else None
+    )
+    if experts is not None:
+        order = {name: position for position, (name, _) in enumerate(index.named_modules())}
+        units = sorted({*units, *experts.modules}, key=lambda name: -order[name])
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     keys = {name: param_key(p, name in matches, bulk, _inside(name, frozen)) for name, p in params.items()}
     groups, group_of = _plan_groups(index, params, keys, matches, units, bulk, replicate_below_bytes)
+    if experts is not None:
+        groups = _mark_expert_groups(groups, experts, type(model).__name__)
     group_by_name = {g.name: g for g in groups}
     param_plans = {
         name: ParamPlan(
@@ -254,6 +314,7 @@ def plan_model(
         buffers=buffer_plans,
         units=tuple(units),
         keep_fp32_modules=matches.modules,
+        experts=experts,
         warnings=(
             *_rule_warnings(matches.unmatched_rules),
             *(
@@ -263,6 +324,19 @@ def plan_model(
             ),
         ),
     )
+
+
+def _mark_expert_groups(groups: List[ShardGroup], experts: ExpertPlan, owner: str) -> List[ShardGroup]:
+    """Each experts module's own group goes on the expert mesh; it must hold all of the module's params in one dtype
+    (FSDP2 cannot group mixed dtypes, and a minority group inside would be sharded over the dense mesh)."""
+    mixed = [g.unit for g in groups if g.unit in experts.modules and (g.replicated or g.modules != (g.unit,))]
+    if mixed:
+        raise ExpertParallelError(
+            f"expert_parallel_size={experts.size}: the params of {mixed[0]} in {owner} would have more than one"
+            " dtype (a keep-fp32 rule matches some of them). Expert params must share one dtype: narrow"
+            " keep_fp32_modules / keep_fp32_params so they skip the experts, or leave expert_parallel_size=1."
+        )
+    return [replace(g, expert=True) if g.unit in experts.modules else g for g in groups]
 
 
 def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_module: bool = False) -> DtypeKey:

@@ -4,7 +4,7 @@ HSDP), handing a module to the pipeline, atomic checkpoints and export. Nothing 
 
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Tuple, Type, TypeVar, Union
 from weakref import WeakSet
@@ -30,7 +30,15 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.sharding.mesh import ParallelMeshes, build_parallel_meshes, check_mesh_product, meshes_of_2d
+from lightning_mixedfsdp.sharding.mesh import (
+    TENSOR_PARALLEL,
+    ParallelMeshes,
+    build_expert_meshes,
+    build_parallel_meshes,
+    check_expert_parallel_size,
+    check_mesh_product,
+    meshes_of_2d,
+)
 from lightning_mixedfsdp.sharding.pipeline import ParallelizeFn, ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.sharding.plan import ShardPlan
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
@@ -176,6 +184,9 @@ class MixedFSDP2Mixin:
         if self._replicate_size > 1:  # Lightning's own check sees only replicate x shard
             world = self.num_nodes * self.num_processes
             check_mesh_product(self._replicate_size, shard, tensor_parallel, world, type(self).__name__)
+        experts = self._config.expert_parallel_size
+        if experts > 1:
+            check_expert_parallel_size(experts, shard, tensor_parallel, type(self).__name__)
         self._data_parallel_size = self._replicate_size * shard
         self._tensor_parallel_size = tensor_parallel
         super().setup_environment()  # type: ignore[misc]
@@ -192,6 +203,11 @@ class MixedFSDP2Mixin:
                 type(self).__name__,
             )
             self._device_mesh = self._meshes.root
+        if experts > 1:
+            expert_meshes = build_expert_meshes(
+                self.root_device.type, self._replicate_size, shard, experts, self._meshes.root[TENSOR_PARALLEL]
+            )
+            self._meshes = replace(self._meshes, experts=expert_meshes)
 
     def _resolved_sizes(self) -> Tuple[int, int]:
         """(shard, tensor parallel). ``tensor_parallel_size="auto"`` is the devices of a node, as in Lightning;

@@ -38,6 +38,23 @@ def test_public_shapes_plan_on_meta_with_fp32_norms_and_a_memory_verdict(shape: 
     assert "collectives per step" in printed and "on a 80 GiB GPU: fits" in printed
 
 
+def test_expert_parallel_dry_run_shows_the_expert_mesh_bytes_and_all_to_alls(capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = ROOT / "benchmarks" / "configs" / "gpt_oss_120b.json"
+    out = main(["--hf-config", str(config), "--world-size", "64", "--expert-parallel", "8"])
+    plan = out["plan"]
+    experts = plan.experts
+    assert experts.size == 8 and len(experts.modules) == 36 and set(experts.num_experts.values()) == {128}
+    total, per_rank = plan.expert_bytes(expert_shard_ranks=8)
+    assert per_rank == total // 64
+    printed = capsys.readouterr().out
+    assert "expert parallel: expert_parallel=8 x expert_data_parallel=8; 36 MoE layers" in printed
+    assert "128 -> 16 per rank" in printed
+    # 36 layers: forward dispatch + combine + split sizes, backward dispatch + combine
+    assert "all-to-all per step (predicted): forward 108" in printed and "backward 72" in printed
+
+
 def test_a_model_that_does_not_fit_says_by_how_much(capsys: Any) -> None:
     from lightning_mixedfsdp.recipes.dry_run import main
 

@@ -25,6 +25,13 @@ def test_schema_defaults_then_file_then_overrides(tmp_path: Path) -> None:
     assert recipe.strategy.keep_fp32_params == ["A_log$"]
 
 
+def test_expert_parallel_size_is_a_strategy_key_handed_to_the_strategy() -> None:
+    recipe = load_recipe(None, ["trainer.devices=4", "strategy.expert_parallel_size=2"])
+    assert recipe.strategy_kwargs()["config"].expert_parallel_size == 2
+    with pytest.raises(RecipeError, match=r"strategy.expert_parallel_size=3 must divide the data-parallel shard ranks"):
+        load_recipe(None, ["trainer.devices=4", "strategy.expert_parallel_size=3"])
+
+
 def test_a_typo_key_is_rejected_with_a_suggestion(tmp_path: Path) -> None:
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("trainer:\n  max_step: 40\n")

@@ -244,3 +244,41 @@ def test_empty_keep_fp32_list_pins_nothing() -> None:
     plan = plan_sharding(TinyLlama(SMALL), MixedFSDPConfig(keep_fp32_modules=[]), precision="bf16-true")
     assert all(p.key.storage == torch.bfloat16 for p in plan.params.values())
     assert not plan.replicated_groups
+
+
+def test_expert_parallel_plan_makes_each_experts_module_its_own_unit_and_finds_nested_hf_plans() -> None:
+    from tests.hf_models import tiny_model
+
+    class Holder(nn.Module):  # a LightningModule-like holder: the HF model's plan is found and prefixed
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = tiny_model("gpt_oss")
+
+    routers = [r"mlp\.router\.(weight|bias)$"]
+    plan = plan_sharding(Holder(), MixedFSDPConfig(expert_parallel_size=2, keep_fp32_params=routers), "bf16-true")
+    experts = plan.experts
+    assert experts is not None and experts.size == 2
+    assert experts.modules == ("lm.model.layers.0.mlp.experts", "lm.model.layers.1.mlp.experts")
+    assert experts.num_experts == dict.fromkeys(experts.modules, 4)
+    assert set(experts.params) == {
+        f"lm.model.layers.{i}.mlp.experts.{p}"
+        for i in (0, 1)
+        for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+    expert_groups = [g for g in plan.groups if g.expert]
+    assert [g.modules for g in expert_groups] == [(m,) for m in reversed(experts.modules)]  # children first
+    order = [g.name for g in plan.groups]
+    for group in expert_groups:  # sharded before the block holding it
+        assert order.index(group.name) < order.index(group.unit.rsplit(".mlp", 1)[0])
+    assert all(plan.params[p].key.storage == torch.bfloat16 for p in experts.params)
+    assert plan.params["lm.model.layers.0.mlp.router.weight"].key.storage == torch.float32
+    # the outermost units (AC, compile) stay the blocks
+    assert plan.outermost_units == ("lm.model.layers.1", "lm.model.layers.0")
+    # a user plan with the same names gives the same expert plan
+    user = {"lm.model.layers.*.mlp.experts": "ep_dispatch_experts"}
+    user.update({f"lm.model.layers.*.mlp.experts.{p}": "grouped_gemm" for p in ("gate_up_proj", "down_proj")})
+    user.update({f"lm.model.layers.*.mlp.experts.{p}_bias": "grouped_gemm" for p in ("gate_up_proj", "down_proj")})
+    own = plan_sharding(Holder(), MixedFSDPConfig(expert_parallel_size=2, expert_parallel_plan=user), "bf16-true")
+    assert own.experts == experts
+    # E=1 plans no experts and keeps the experts in their block's group
+    assert plan_sharding(Holder(), MixedFSDPConfig(), "bf16-true").experts is None
