@@ -140,3 +140,13 @@ def test_expert_parallel_benchmark_runs_and_e2_halves_the_gathered_experts(tmp_p
     assert e2["all_gather_mib_per_step"] < e1["all_gather_mib_per_step"]
     assert json.loads(out.read_text())["results"].keys() == results.keys()
     assert "| 2 | 2 |" in capsys.readouterr().out
+
+
+def test_expert_kernels_benchmark_runs_hfs_experts_with_fewer_local_experts(capsys) -> None:
+    from benchmarks import expert_kernels
+
+    argv = ["--device", "cpu", "--hidden", "32", "--intermediate", "16", "--experts", "4", "--top-k", "2"]
+    results = expert_kernels.main(argv + ["--tokens", "16", "--steps", "1", "--warmup", "1", "--sizes", "1", "2"])
+    assert (results["1"]["experts"], results["2"]["experts"]) == (4, 2)
+    assert results["2"]["params_mib"] == results["1"]["params_mib"] / 2
+    assert "| 2 | 2 |" in capsys.readouterr().out
