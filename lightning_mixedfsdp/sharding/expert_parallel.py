@@ -124,7 +124,7 @@ def set_expert_reduction(module: nn.Module, data_parallel_size: int, expert_shar
     An expert's grad on one rank already sums the tokens of all ``E`` ranks of its EP group (the all-to-all's
     backward brings them back); FSDP's reduce over the ``data_parallel_size / E`` ranks holding the same experts sums
     the rest. So the divide factor is ``data_parallel_size``, not FSDP's default (its own group size). FSDP applies a
-    custom factor with PREMUL_SUM, which gloo lacks and NCCL gets wrong in bf16 up to torch 2.13 (pytorch#190747):
+    custom factor with PREMUL_SUM, which gloo lacks and NCCL gets wrong in bf16 (pytorch#190745, fixed by #190747):
     sum and divide locally instead, but only when there is a reduce-scatter (``expert_shard_size > 1``); without one
     FSDP divides in its copy already, and a forced sum would divide twice.
     """

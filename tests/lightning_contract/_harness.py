@@ -28,12 +28,14 @@ import os
 import re
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
+import torch
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=45)
 # a rank waits this long for its peers to finish a body (a peer stuck in a collective needs COLLECTIVE_TIMEOUT)
@@ -102,6 +104,27 @@ def _key(item: pytest.Item) -> Tuple[str, int]:
     return side_of(params.get("ModelParallelStrategy")), world_size
 
 
+@contextmanager
+def _cpu_only_unless_a_gpu_per_rank(world_size: int) -> Iterator[None]:
+    """The bodies run on gloo, and Lightning's tests ask for ``accelerator="auto"`` with ``devices=N``: on a machine
+    with fewer GPUs than ranks (one lent GPU), "auto" would pick CUDA and Lightning would refuse the device count.
+    Hide the GPUs from the launched ranks then, so the port runs on the CPU as on a machine without one."""
+    from tests.distributed import accelerator_for
+
+    if accelerator_for(world_size) != "cpu" or not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 class Launches:
     """Session cache: one ``run_distributed`` per (side, world size), over the selected tests of that key."""
 
@@ -129,7 +152,8 @@ class Launches:
         timeout = 60 + len(jobs) * (BODY_SYNC_TIMEOUT.total_seconds() + 30)
         start = time.monotonic()
         try:
-            run_distributed(_run_bodies, world_size, jobs, str(directory), timeout=timeout)
+            with _cpu_only_unless_a_gpu_per_rank(world_size):
+                run_distributed(_run_bodies, world_size, jobs, str(directory), timeout=timeout)
         except AssertionError as error:  # a rank died or hung: what it reported before still counts
             self._errors[key] = str(error)
         self.timings[key] = time.monotonic() - start
