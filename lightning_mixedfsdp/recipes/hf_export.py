@@ -52,19 +52,39 @@ def write_reference_config(directory: Path, model: TinyLlamaConfig, dtype: torch
         shutil.copyfile(here / name, directory / name)
 
 
-def byte_tokenizer() -> Any:
-    """The runner's byte tokenizer (token i is byte i) as an HF fast tokenizer, built here, no download: a BPE over
-    GPT-2's 256 byte symbols with no merges, so ``encode(text)`` gives ``list(text.encode("utf-8"))`` and
-    ``decode`` the text back. No special tokens: the vocabulary is the model's 256 (documents were separated by a
-    blank line in training)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+def write_byte_tokenizer(directory: Path) -> None:
+    """The runner's byte tokenizer (token i is byte i) as an HF fast tokenizer in ``directory``, written as plain JSON
+    so the default install (no transformers, no tokenizers) exports it too: a BPE over GPT-2's 256 byte symbols with
+    no merges and HF's ByteLevel pre-tokenizer and decoder, so ``encode(text)`` gives ``list(text.encode("utf-8"))``
+    and ``decode`` the text back. No special tokens: the vocabulary is the model's 256 (documents were separated by a
+    blank line in training). The layout is ``tokenizers``' own serialisation (format "1.0")."""
     symbols = _byte_symbols()
-    tokenizer = Tokenizer(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+    tokenizer: Dict[str, Any] = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {symbols[b]: b for b in range(256)},
+            "merges": [],
+        },
+    }
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2), encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def _byte_symbols() -> Dict[int, str]:

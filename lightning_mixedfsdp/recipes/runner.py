@@ -12,7 +12,6 @@ a second one aborts at once.
 """
 
 import argparse
-import importlib.util
 import re
 import shlex
 import sys
@@ -151,7 +150,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
 def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
     """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer;
     ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
-    from lightning_mixedfsdp.recipes.hf_export import byte_tokenizer, write_reference_config
+    from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
 
     folder = RunFolder(Path(recipe.output.dir))
     strategy = trainer.strategy
@@ -166,10 +165,8 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
         write_reference_config(folder.export, recipe.model, dtype)
     if isinstance(datamodule.tokenizer, HFTokenizer):
         datamodule.tokenizer.save_pretrained(folder.export)
-    elif importlib.util.find_spec("transformers") is not None:
-        byte_tokenizer().save_pretrained(str(folder.export))
-    else:  # the default install trains without transformers; loading the export needs it anyway
-        rank_zero_info(f"no tokenizer in {folder.export}: pip install transformers to export it with the model")
+    else:
+        write_byte_tokenizer(folder.export)
 
 
 def dry_run(recipe: Recipe) -> None:

@@ -327,3 +327,25 @@ def test_a_second_signal_ends_even_a_rank_blocked_in_a_collective() -> None:
     out, _ = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM, out
     assert "SIGTERM again: aborting" in out
+
+
+def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tmp_path: Path) -> None:
+    """The default install has neither transformers nor tokenizers: the export's tokenizer is written without them
+    (both made unimportable before the call)."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer\n"
+        "for name in [n for n in sys.modules if n.split('.')[0] in ('transformers', 'tokenizers')]:\n"
+        "    del sys.modules[name]\n"
+        "sys.modules['transformers'] = sys.modules['tokenizers'] = None\n"
+        f"write_byte_tokenizer(Path({str(tmp_path)!r}))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    text = PROBE.decode() + "naïve café — ✓ 🙂\n\tend"
+    ids = tokenizer(text)["input_ids"]
+    assert len(tokenizer) == 256 and ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
