@@ -49,24 +49,6 @@ EXTRA = {
         qk_nope_head_dim=8,
         v_head_dim=8,
     ),
-    # DeepSeek-V3.2's lightning indexer picks the keys each query attends to: its params never get a grad
-    "deepseek_v32": dict(
-        **MOE,
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=2,
-        topk_group=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=4,
-    ),
     "ernie4_5_moe": dict(
         moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1, moe_num_shared_experts=1
     ),
@@ -89,6 +71,8 @@ EXTRA = {
     "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
     "lfm2_moe": dict(**MOE, num_experts=4, num_dense_layers=1, layer_types=["conv", "full_attention"]),
 }
+# DeepSeek-V3.2's lightning indexer picks the keys each query attends to: its params never get a grad
+EXTRA["deepseek_v32"] = dict(**EXTRA["deepseek_v3"], index_n_heads=2, index_head_dim=16, index_topk=4)
 SEQ2SEQ = ("t5",)
 
 
