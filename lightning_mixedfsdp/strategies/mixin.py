@@ -139,9 +139,8 @@ class MixedFSDP2Mixin:
         self._meshes = None
         self._sharded = ShardedModels()
         self._watched: "WeakSet[Optimizer]" = WeakSet()
-        self._making_optimizer_state = (
-            False  # the zero-lr steps that make optimizer state around a save or load are no training steps
-        )
+        # the zero-lr steps that make optimizer state around a save or load are no training steps
+        self._making_optimizer_state = False
 
     # the methods below override those of the Lightning strategy this class is mixed into (the type checker sees no
     # base here, so they carry no @override)
