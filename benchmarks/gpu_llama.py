@@ -138,15 +138,23 @@ def clip(model: nn.Module, setup: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=False)
 
 
-def measure(setups: List[str], config: Dict[str, Any], mode: str, steps: int, warmup: int, batch: int, seq: int):
+def _single_process_group(cuda: bool) -> torch.device:
+    """A world-size-1 process group (NCCL on GPU 0, else gloo) for FSDP2 in this process; its device."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    return device
+
+
+def measure(setups: List[str], config: Dict[str, Any], mode: str, steps: int, warmup: int, batch: int, seq: int):
+    import torch.distributed as dist
+
+    device = _single_process_group(torch.cuda.is_available())
     models = {name: build(name, config, mode, device) for name in setups}
     optimizers = {
         name: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=device.type == "cuda") for name, m in models.items()
@@ -197,11 +205,7 @@ def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
 
     import torch.distributed as dist
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = _single_process_group(cuda=True)
     model = build("B", config, "eager", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     tokens = torch.randint(0, config["vocab_size"], (batch, seq)).to(device)
@@ -229,13 +233,8 @@ def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
 def nonfinite(config: Dict[str, Any]) -> Dict[str, Any]:
     """Where a non-finite norm with ``error_if_nonfinite=True`` surfaces on CUDA: not at the clip (no host sync),
     at the next call that waits for the GPU; the optimizer step queued after the failed assert never runs."""
-    import torch.distributed as dist
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = _single_process_group(cuda=True)
     model = build("B", config, "eager", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(0, config["vocab_size"], (1, 16)).to(device)
