@@ -2,7 +2,7 @@
 
 Each access notes the torch versions it was checked on. Where versions differ, the branch is chosen by feature
 (``hasattr``), not by version number, so a release that back-ports a change takes the right path. The test suite runs
-on every version in ``pyproject.toml``'s range (2.11 to 2.14); ``tests/test_torch_compat.py`` exercises each
+on every version in ``pyproject.toml``'s range (2.11 to 2.15); ``tests/test_torch_compat.py`` exercises each
 function on the installed version.
 """
 
@@ -28,7 +28,7 @@ def fsdp_param_groups(module: nn.Module) -> List[Any]:
 
 def fsdp_param_groups_of_state(state: Any) -> List[Any]:
     """The param groups of an ``FSDPState`` (private): torch 2.11 and 2.12 hold one group or None in
-    ``_fsdp_param_group``; 2.13 and 2.14 hold a list in ``_fsdp_param_groups``."""
+    ``_fsdp_param_group``; 2.13 to 2.15 hold a list in ``_fsdp_param_groups``."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
     group = getattr(state, "_fsdp_param_group", None)
@@ -38,7 +38,7 @@ def fsdp_param_groups_of_state(state: Any) -> List[Any]:
 def gradient_divide_factor(module: nn.Module) -> Optional[float]:
     """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own groups, if any.
 
-    Private ``FSDPParamGroup.gradient_divide_factor`` (no public getter), checked on torch 2.11 to 2.14.
+    Private ``FSDPParamGroup.gradient_divide_factor`` (no public getter), checked on torch 2.11 to 2.15.
     """
     groups = fsdp_param_groups(module)
     return groups[0].gradient_divide_factor if groups else None
@@ -50,8 +50,11 @@ def reset_fsdp_iter_state(root: nn.Module) -> None:
     ``FSDPModule.reset_iter_state`` is public from torch 2.13; on 2.11 and 2.12 the same reset is made here on the
     private state 2.13's ``FSDPState._reset_iter_state`` clears (checked against 2.11.0's ``FSDPState``,
     ``FSDPParamGroup`` and ``FSDPCommContext``, which hold one reduce-scatter state instead of a list). The unsharded
-    grads of a partial backward (``FSDPParam._unsharded_param.grad``, ``unsharded_accumulated_grad``) survive even
-    2.13's reset and are dropped on every version.
+    grads of a partial backward (``FSDPParam._unsharded_param.grad``, and on 2.11 to 2.14 the separate
+    ``unsharded_accumulated_grad``) survive the reset of 2.13 and 2.14 and are dropped here on every version. 2.15's
+    reset drops them itself (and the sharded grads too) and makes ``unsharded_accumulated_grad`` a read-only view of
+    ``_unsharded_param.grad``, which has no setter: it is cleared only where it is a plain attribute (checked on
+    2.11.0, 2.13.0, 2.14.1 and 2.15.0).
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -67,7 +70,8 @@ def reset_fsdp_iter_state(root: nn.Module) -> None:
                     unsharded = getattr(fsdp_param, "_unsharded_param", None)
                     if unsharded is not None:
                         unsharded.grad = None
-                    fsdp_param.unsharded_accumulated_grad = None
+                    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+                        fsdp_param.unsharded_accumulated_grad = None
 
 
 def _reset_iter_state_before_2_13(root: nn.Module) -> None:
@@ -109,7 +113,7 @@ def _reset_iter_state_before_2_13(root: nn.Module) -> None:
 
 def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
     """All dims of ``mesh`` flattened into one named dim. ``DeviceMesh._flatten`` is private and has no public
-    replacement on torch 2.11 to 2.14. Keep the returned object: slicing the flattened dim back out of the root mesh
+    replacement on torch 2.11 to 2.15. Keep the returned object: slicing the flattened dim back out of the root mesh
     is deprecated."""
     if mesh.ndim == 1:
         return mesh
@@ -121,25 +125,25 @@ def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
 
 def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward finishes. ``Variable._execution_engine.queue_callback`` is private,
-    checked on torch 2.11 to 2.14; FSDP2 queues its own post-backward callback the same way."""
+    checked on torch 2.11 to 2.15; FSDP2 queues its own post-backward callback the same way."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def inside_backward() -> bool:
     """Whether the autograd engine is running (a forward inside a backward, e.g. an activation-checkpoint
-    recompute). ``torch._C._current_graph_task_id`` is private, checked on torch 2.11 to 2.14: -1 outside."""
+    recompute). ``torch._C._current_graph_task_id`` is private, checked on torch 2.11 to 2.15: -1 outside."""
     return torch._C._current_graph_task_id() != -1
 
 
 def active_saved_tensor_hooks() -> Optional[Tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
     """The (pack, unpack) saved-tensor hooks in force right now (an activation checkpoint's, a user's), if any.
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` is private, checked on torch 2.11 to 2.14."""
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` is private, checked on torch 2.11 to 2.15."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def inside_activation_checkpoint() -> bool:
     """Whether the hooks in force are ``torch.utils.checkpoint``'s (non-reentrant: its forward or its recompute),
-    told by the module that defines them (checked on torch 2.11 to 2.14)."""
+    told by the module that defines them (checked on torch 2.11 to 2.15)."""
     hooks = active_saved_tensor_hooks()
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
@@ -149,7 +153,7 @@ def inside_activation_checkpoint() -> bool:
 
 def checkpoint_wrapper(module: nn.Module) -> nn.Module:
     """torch's non-reentrant ``checkpoint_wrapper``; its module path (``torch.distributed.algorithms._checkpoint``)
-    is private, checked on torch 2.11 to 2.14. torchtitan imports it from the same place."""
+    is private, checked on torch 2.11 to 2.15. torchtitan imports it from the same place."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
 
     return wrap(module)
@@ -160,19 +164,19 @@ def checkpoint_wrapper(module: nn.Module) -> nn.Module:
 
 def foreach_norm(tensors: Sequence[Tensor], norm_type: float) -> Sequence[Tensor]:
     """Per-tensor norms in fp32, one kernel per call. ``torch._foreach_norm`` is private (``clip_grad_norm_`` uses
-    it), checked on torch 2.11 to 2.14."""
+    it), checked on torch 2.11 to 2.15."""
     return torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32)
 
 
 def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
     """In-place multiply of every tensor by a 0-dim tensor, one kernel. ``torch._foreach_mul_`` is private,
-    checked on torch 2.11 to 2.14."""
+    checked on torch 2.11 to 2.15."""
     torch._foreach_mul_(list(tensors), scalar)
 
 
 def assert_on_device(condition: Tensor, message: str) -> None:
     """Assert a boolean device tensor without waiting for it: ``torch._assert_async`` (private, checked on torch 2.11
-    to 2.14). On CUDA a failed assert aborts the kernels queued after it and surfaces as a RuntimeError
+    to 2.15). On CUDA a failed assert aborts the kernels queued after it and surfaces as a RuntimeError
     ("device-side assert triggered") at the next call that waits for the device."""
     torch._assert_async(condition, message)
 
@@ -182,14 +186,14 @@ def assert_on_device(condition: Tensor, message: str) -> None:
 
 def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
     """Leaves and structure of nested tuples, lists, dicts and registered containers (HF ``ModelOutput``).
-    ``torch.utils._pytree`` is private, checked on torch 2.11 to 2.14."""
+    ``torch.utils._pytree`` is private, checked on torch 2.11 to 2.15."""
     from torch.utils._pytree import tree_flatten as flatten
 
     return flatten(tree)
 
 
 def tree_unflatten(leaves: List[Any], spec: Any) -> Any:
-    """The inverse of :func:`tree_flatten` (``torch.utils._pytree``, private, checked on torch 2.11 to 2.14)."""
+    """The inverse of :func:`tree_flatten` (``torch.utils._pytree``, private, checked on torch 2.11 to 2.15)."""
     from torch.utils._pytree import tree_unflatten as unflatten
 
     return unflatten(leaves, spec)
@@ -201,13 +205,13 @@ def tree_unflatten(leaves: List[Any], spec: Any) -> Any:
 def replace_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
     """Set ``module``'s own param ``name`` without ``nn.Module.__setattr__``'s checks (which refuse a plain tensor
     where a param was, and would route through a class property). ``Module._parameters`` is private, stable on
-    torch 2.11 to 2.14; FSDP2 writes it the same way."""
+    torch 2.11 to 2.15; FSDP2 writes it the same way."""
     module._parameters[name] = param
 
 
 def replace_buffer(module: nn.Module, name: str, buffer: Optional[Tensor]) -> None:
     """Set ``module``'s own buffer ``name``, keeping its persistence. ``Module._buffers`` is private, stable on
-    torch 2.11 to 2.14."""
+    torch 2.11 to 2.15."""
     module._buffers[name] = buffer
 
 
@@ -223,7 +227,7 @@ def own_buffers(module: nn.Module) -> dict:
 
 def non_persistent_buffer_names(module: nn.Module) -> frozenset:
     """Names of ``module``'s own buffers that no state dict holds (``Module._non_persistent_buffers_set``, private,
-    stable on torch 2.11 to 2.14)."""
+    stable on torch 2.11 to 2.15)."""
     return frozenset(module._non_persistent_buffers_set)
 
 
@@ -233,7 +237,7 @@ def non_persistent_buffer_names(module: nn.Module) -> frozenset:
 def local_chunk(tensor: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
     """``(offsets, sizes)`` of this rank's part of ``tensor`` in the global tensor (all of it for a plain tensor).
 
-    ``DTensor.__create_chunk_list__`` is the protocol DCP's planners use (not public API; the same on 2.11 to 2.14).
+    ``DTensor.__create_chunk_list__`` is the protocol DCP's planners use (not public API; the same on 2.11 to 2.15).
     """
     from torch.distributed.tensor import DTensor
 

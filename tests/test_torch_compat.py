@@ -67,31 +67,48 @@ def _fsdp_state(rank: int, world_size: int) -> Dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
     flat = compat.flatten_mesh(mesh, "data_parallel")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    fully_shard(model[0], mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
-    model[0].set_gradient_divide_factor(4.0)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        fully_shard(model[0], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        model[0].set_gradient_divide_factor(4.0)
+        model[0].set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        return model
+
+    model, reference = build(), build()
     groups = compat.fsdp_param_groups(model[0])
+    torch.manual_seed(rank)
     x = torch.randn(2, 4)
+
+    # fail mid-backward: the root's own Linear already has its grad, the inner unit's backward never comes
+    def fail_in_backward(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
+
+    handle = model[0].register_forward_hook(fail_in_backward)
     failing = model(x)
-    failing.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
-    try:
+    handle.remove()
+    with pytest.raises(RuntimeError, match="injected"):
         failing.sum().backward()
-    except RuntimeError:
-        pass
     compat.reset_fsdp_iter_state(model)  # after a backward that raised, the next step must run cleanly
     model(x).sum().backward()
+    reference(x).sum().backward()
     return {
         "groups": len(groups),
         "divide_factor": compat.gradient_divide_factor(model[0]),
         "flat": (flat.ndim, flat.size(), flat.mesh_dim_names),
-        "grads": all(p.grad is not None for p in model.parameters()),
+        "grads": [p.grad.full_tensor() for p in model.parameters()],
+        "reference_grads": [p.grad.full_tensor() for p in reference.parameters()],
     }
 
 
 def test_fsdp_state_accessors_and_the_reset_after_a_failed_backward() -> None:
     for result in run_distributed(_fsdp_state, 2):
-        assert result == {"groups": 1, "divide_factor": 4.0, "flat": (1, 2, ("data_parallel",)), "grads": True}
+        assert (result["groups"], result["divide_factor"], result["flat"]) == (1, 4.0, (1, 2, ("data_parallel",)))
+        # the recovered step's grads are a clean step's: nothing of the failed backward was added to them
+        assert len(result["grads"]) == 4
+        for got, expected in zip(result["grads"], result["reference_grads"], strict=True):
+            assert torch.equal(got, expected)

@@ -20,7 +20,7 @@ from lightning_mixedfsdp.sharding.buffers import BufferSync
 from lightning_mixedfsdp.sharding.expert_parallel import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
 from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
+from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan, fsdp_groups_can_mix_dtypes
 from lightning_mixedfsdp.sharding.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.sharding.replicate import (
     ReplicatedGradReducer,
@@ -86,6 +86,7 @@ def apply_plan(
             )
         return model, None
     check_plan_fits(model, plan)
+    check_groups_supported(plan)
     if plan.experts is not None:
         if meshes.experts is None:
             raise ValueError(
@@ -187,6 +188,17 @@ def check_plan_fits(model: nn.Module, plan: ShardPlan) -> None:
             f"mixed_fsdp2 planned dtypes before `parallelize_fn`, which then added params {added[:5]} and removed"
             f" {removed[:5]}. Change the model's params before `setup` (and keep `parallelize_fn` to tensor"
             " parallelism and wrappers)."
+        )
+
+
+def check_groups_supported(plan: ShardPlan) -> None:
+    """A plan made for a torch whose ``fully_shard`` groups mixed dtypes cannot be applied on one that cannot."""
+    mixed = plan.mixed_dtype_groups
+    if mixed and not fsdp_groups_can_mix_dtypes():
+        raise ValueError(
+            f"mixed_fsdp2: the plan shards groups of mixed dtypes ({', '.join(mixed[:3])}), one `fully_shard`"
+            f" each, which torch {torch.__version__}'s FSDP2 cannot hold (one original dtype per group). Plan with"
+            " `mixed_dtype_groups=False`, the default on this torch."
         )
 
 

@@ -11,6 +11,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names
 from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.sharding.construction import constructed_buffer_dtypes
 from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError, ExpertPlan, plan_experts
@@ -104,6 +105,8 @@ class ShardPlan:
     warnings: Tuple[str, ...] = ()
     experts: Optional[ExpertPlan] = None
     """Expert parallelism: the experts modules, their split params and the plan handed to transformers."""
+    non_persistent_buffers: FrozenSet[str] = frozenset()
+    """Planned buffers that no state dict holds (a rotary ``inv_freq``): rebuilt, never saved or loaded."""
 
     @property
     def sharded_groups(self) -> Tuple[ShardGroup, ...]:
@@ -116,6 +119,26 @@ class ShardPlan:
     @property
     def replicated_params(self) -> Tuple[str, ...]:
         return tuple(p for g in self.replicated_groups for p in g.params)
+
+    @property
+    def mixed_dtype_groups(self) -> Tuple[str, ...]:
+        """Sharded groups whose trainable params differ in storage, compute or reduce dtype: one ``fully_shard`` call
+        each only where torch groups mixed dtypes natively (:func:`fsdp_groups_can_mix_dtypes`). Frozen params may
+        differ on every torch: FSDP2 asks one dtype of the params it reduces."""
+        return tuple(g.name for g in self.sharded_groups if len(self._trainable_dtypes(g)) > 1)
+
+    def _trainable_dtypes(self, group: ShardGroup) -> set:
+        keys = (self.params[name].key for name in group.params if self.params[name].requires_grad)
+        return {(key.storage, key.compute, key.reduce) for key in keys}
+
+    @property
+    def checkpoint_layout(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """What a checkpoint of the model holds per tensor: global shape and dtype of every param and planned
+        buffer. Placements and groups are not part of it (DCP stores global tensors), so the layout is the same
+        whichever groups the plan chose."""
+        layout = {name: (p.shape, p.key.storage) for name, p in self.params.items()}
+        layout.update({n: (b.shape, b.dtype) for n, b in self.buffers.items() if n not in self.non_persistent_buffers})
+        return layout
 
     @property
     def fp32_names(self) -> Tuple[str, ...]:
@@ -241,6 +264,20 @@ def plan_sharding(
     return plan_validated(model, config, config.bulk_dtypes(precision) if isinstance(precision, str) else precision)
 
 
+def fsdp_groups_can_mix_dtypes() -> bool:
+    """The switch point for native mixed-dtype FSDP2: whether one ``fully_shard`` call of the installed torch takes
+    params of different original (storage) dtypes, each all-gathered, computed and reduced in its own dtypes.
+
+    No release does, so this answers no on every version: torch 2.11 to 2.15 assert one original dtype per group at
+    lazy init (``FSDPParamGroup._init_mp_dtypes``). pytorch#156784 tracks the feature; the per-param
+    ``MixedPrecisionPolicy`` work (#196626, #194546) varies only the compute dtype, the storage dtype stays uniform.
+    When a release ships it, this answers from that capability, and the planner then makes each unit one group
+    (:func:`plan_model`'s ``mixed_dtype_groups``): fewer collectives, the same dtype for every tensor, the same
+    checkpoint layout.
+    """
+    return False
+
+
 def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes) -> ShardPlan:
     """:func:`plan_sharding` for a config validated already (the strategies validate theirs once, at construction)."""
     return plan_model(
@@ -266,9 +303,15 @@ def plan_model(
     cast_buffers: bool = False,
     expert_parallel_size: int = 1,
     expert_parallel_plan: Optional[Dict[str, str]] = None,
+    mixed_dtype_groups: Optional[bool] = None,
 ) -> ShardPlan:
     """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass. With
-    ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``)."""
+    ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``).
+
+    ``mixed_dtype_groups`` (default: :func:`fsdp_groups_can_mix_dtypes`) makes each unit one sharded group holding
+    every dtype, where torch can; every param and buffer keeps the dtypes it has without."""
+    if mixed_dtype_groups is None:
+        mixed_dtype_groups = fsdp_groups_can_mix_dtypes()
     index = ModuleIndex(model)
     matches = match_keep_fp32(model, rules, index)
     frozen = find_frozen_modules(model, index) if pin_frozen_modules else []
@@ -297,6 +340,8 @@ def plan_model(
         )
         for name, p in params.items()
     }
+    if mixed_dtype_groups:
+        groups, param_plans = _one_group_per_unit(groups, param_plans)
     constructed: Dict[str, torch.dtype] = {}
     unbuilt: List[str] = []
     narrow_compute = bulk.compute is not None and bulk.compute != torch.float32
@@ -315,6 +360,11 @@ def plan_model(
         units=tuple(units),
         keep_fp32_modules=matches.modules,
         experts=experts,
+        non_persistent_buffers=frozenset(
+            canonical_name(f"{module_name}.{buffer}" if module_name else buffer)
+            for module_name, module in index.named_modules()
+            for buffer in non_persistent_buffer_names(module)
+        ),
         warnings=(
             *_rule_warnings(matches.unmatched_rules),
             *(
@@ -324,6 +374,26 @@ def plan_model(
             ),
         ),
     )
+
+
+def _one_group_per_unit(
+    groups: List[ShardGroup], param_plans: Dict[str, ParamPlan]
+) -> Tuple[List[ShardGroup], Dict[str, ParamPlan]]:
+    """Merge each unit's groups (minority, replicated, its own) into the unit's own group, for a torch whose
+    ``fully_shard`` takes mixed dtypes. Each param keeps the dtypes the per-dtype groups gave it."""
+    by_unit: Dict[str, List[ShardGroup]] = defaultdict(list)
+    for group in groups:
+        by_unit[group.unit].append(group)
+    merged = []
+    for unit, unit_groups in by_unit.items():  # units in application order, children first
+        own = [g for g in unit_groups if g.modules == (unit,) and not g.replicated] or unit_groups[:1]
+        params = tuple(name for g in unit_groups for name in g.params)
+        merged.append(
+            replace(own[0], name=unit or "<root>", modules=(unit,), params=params, replicated=False, reason="")
+        )
+    group_of = {name: group.name for group in merged for name in group.params}
+    plans = {name: replace(p, group=group_of[name], replicated=False) for name, p in param_plans.items()}
+    return merged, plans
 
 
 def _mark_expert_groups(groups: List[ShardGroup], experts: ExpertPlan, owner: str) -> List[ShardGroup]:

@@ -196,3 +196,30 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     loaded = subprocess.run([*script, "load"], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert loaded.returncode == 0, loaded.stdout[-2000:] + loaded.stderr[-2000:]
     assert "loaded the previous checkpoint: equal" in loaded.stdout
+
+
+def test_a_sharded_checkpoint_holds_the_plans_layout_whichever_groups_torch_allows(
+    two_ranks: list, folder: Path
+) -> None:
+    """Every model tensor of a real DCP checkpoint has the global shape and dtype the plan gives it, and the plan for
+    a torch that groups mixed dtypes natively gives the same: gaining the feature changes no checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
+    from lightning_mixedfsdp.sharding.plan import plan_model
+
+    config = MixedFSDPConfig(keep_fp32_params=A_LOG)
+    bulk, rules = config.bulk_dtypes("bf16-true"), KeepFp32Rules.of(config)
+    layouts = [
+        plan_model(BufferedLlama(MIXER), bulk, rules, mixed_dtype_groups=native).checkpoint_layout
+        for native in (False, True)
+    ]
+    metadata = FileSystemReader(str(folder / "sharded-2ranks")).read_metadata().state_dict_metadata
+    saved = {
+        key[len("model.") :]: (tuple(entry.size), entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith("model.")
+    }
+    assert saved == layouts[0] == layouts[1]
+    assert saved["layers.0.attention.A_log"][1] == torch.float32 and saved["output.weight"][1] == torch.bfloat16

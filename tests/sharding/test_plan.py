@@ -1,5 +1,6 @@
 """The planner in one process: no collectives, no process group."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -282,3 +283,51 @@ def test_expert_parallel_plan_makes_each_experts_module_its_own_unit_and_finds_n
     assert own.experts == experts
     # E=1 plans no experts and keeps the experts in their block's group
     assert plan_sharding(Holder(), MixedFSDPConfig(), "bf16-true").experts is None
+
+
+def _plans_both_ways(model: nn.Module, config: MixedFSDPConfig, precision: str) -> tuple:
+    from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
+    from lightning_mixedfsdp.sharding.plan import plan_model
+
+    bulk, rules = config.bulk_dtypes(precision), KeepFp32Rules.of(config)
+    return tuple(plan_model(model, bulk, rules, mixed_dtype_groups=native) for native in (False, True))
+
+
+def test_native_mixed_dtype_groups_change_only_the_groups_never_a_dtype_or_the_checkpoint_layout() -> None:
+    """The switch point for a torch whose fully_shard groups mixed dtypes: each unit becomes one group, every
+    tensor keeps its dtypes, so checkpoints keep their layout. No installed torch has the feature yet."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_mixedfsdp.sharding.apply import check_groups_supported
+    from lightning_mixedfsdp.sharding.names import canonical_name
+    from lightning_mixedfsdp.sharding.plan import fsdp_groups_can_mix_dtypes
+    from tests.hf_models import tiny_model
+    from tests.scenarios import A_LOG, MIXER, BufferedLlama
+
+    assert fsdp_groups_can_mix_dtypes() is False  # torch 2.11 to 2.15: one original dtype per fully_shard group
+    lora = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cases = {
+        "llama": (tiny_model("llama"), MixedFSDPConfig(), "bf16-true"),
+        "qwen3_moe": (tiny_model("qwen3_moe"), MixedFSDPConfig(), "bf16-mixed"),
+        "lora": (lora, MixedFSDPConfig(), "bf16-true"),
+        "inseparable A_log": (BufferedLlama(MIXER), MixedFSDPConfig(keep_fp32_params=A_LOG), "bf16-true"),
+    }
+    for case, (model, config, precision) in cases.items():
+        per_dtype, native = _plans_both_ways(model, config, precision)
+        assert per_dtype.checkpoint_layout == native.checkpoint_layout, case
+        saved = {canonical_name(n) for n, tensor in model.state_dict().items() if tensor.is_floating_point()}
+        assert set(per_dtype.checkpoint_layout) == saved, case
+        for name, planned in per_dtype.params.items():
+            other = native.params[name]
+            assert (planned.key, planned.requires_grad, planned.rule) == (other.key, other.requires_grad, other.rule)
+        assert per_dtype.buffers == native.buffers and per_dtype.fp32_names == native.fp32_names, case
+        # fewer groups: one per unit and the root, nothing replicated
+        assert len(native.groups) == len(per_dtype.units) + 1 < len(per_dtype.groups), case
+        assert not native.replicated_groups and not per_dtype.mixed_dtype_groups, case
+        check_groups_supported(per_dtype)
+        if case == "lora":  # only the adapters train: the fp32 norms are frozen, so no group reduces two dtypes
+            assert not native.mixed_dtype_groups
+            continue
+        assert native.mixed_dtype_groups, case
+        with pytest.raises(ValueError, match=r"cannot hold \(one original dtype per group\).*mixed_dtype_groups=False"):
+            check_groups_supported(native)
