@@ -8,6 +8,7 @@ checkpointing and compile modes.
 Set-ups (world size 1, ``fully_shard`` per decoder layer and the root):
   A    uniform bf16 FSDP2 by hand (the norms lose fp32: fast, numerically wrong)
   B    mixed_fsdp2, bf16-true (fp32 norms replicated; autograd keeps their bf16 inputs, not fp32 copies)
+  Bd   B with ``nonfinite_check="device_assert"``: the clip's non-finite check without its host sync
   Br   B with the norms' fp32 math recomputed in backward (``recompute_keep_fp32_modules=True``)
   N    per-norm fully_shard with an fp32 policy (axolotl's approach)
   A'   uniform FSDP2 with fp32 master weights and MixedPrecisionPolicy(param_dtype=bf16): bf16-mixed's fair baseline
@@ -18,7 +19,8 @@ Eager and AC: the set-ups of one precision share a process and are timed in turn
 (round-robin), so drift cannot favour one; peak memory is the step's peak above what the process holds before it
 (all set-ups' params and optimizer states are resident, the same for each). Compile: one set-up per process
 (dynamo's recompile limit is shared across set-ups), per-block ``compile`` in torchtitan's order. Every loss goes
-through ``clip_gradients`` with ``error_if_nonfinite=True`` (Fabric's default) for B and D. MFU counts 6 x params
+through ``clip_gradients`` with ``error_if_nonfinite=True`` (Fabric's default) for B, Bd and D: a catchable error
+and one host sync per step for B and D, a device-side assert for Bd. MFU counts 6 x params
 + 12 x layers x hidden x seq FLOPs per token against the GPU's dense bf16 peak (989 TFLOP/s for an H100 SXM).
 """
 
@@ -53,7 +55,8 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
-GROUPS = {"bf16-true": ["A", "B", "Br", "N"], "bf16-mixed": ["A'", "D"], "peer": ["HF"]}
+GROUPS = {"bf16-true": ["A", "B", "Bd", "Br", "N"], "bf16-mixed": ["A'", "D"], "peer": ["HF"]}
+MIXED_FSDP2 = ("B", "Bd", "Br", "D")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
@@ -72,7 +75,7 @@ def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -
     with torch.device(device):  # HF's init on the device: seconds, not the CPU's minutes for 1.1B params
         model = AutoModelForCausalLM.from_config(hf_config)
     meshes = build_parallel_meshes(device.type, 1, 1, 1, 1)
-    if setup in ("B", "Br", "D"):
+    if setup in MIXED_FSDP2:
         flag = "bf16-mixed" if setup == "D" else "bf16-true"
         fields: Dict[str, Any] = {"activation_checkpointing": "full" if mode == "ac" else "none"}
         fields["compile"] = mode == "compile"
@@ -129,11 +132,12 @@ def _transformers_fsdp(hf_config: Any, mode: str, device: torch.device) -> nn.Mo
 
 
 def clip(model: nn.Module, setup: str) -> None:
-    """Fabric's default clipping, error_if_nonfinite=True: ours for B and D, torch's for the rest."""
-    if setup in ("B", "Br", "D"):
+    """Fabric's default clipping, error_if_nonfinite=True: ours for B, Bd, Br and D, torch's for the rest."""
+    if setup in MIXED_FSDP2:
         from lightning_mixedfsdp import clip_grad_norm_
 
-        clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        check = "device_assert" if setup == "Bd" else "raise"
+        clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True, nonfinite_check=check)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=False)
 
@@ -199,8 +203,8 @@ def measure(setups: List[str], config: Dict[str, Any], mode: str, steps: int, wa
 
 
 def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
-    """Synchronizing calls per step of B (forward, backward, clip with error_if_nonfinite=True, step, zero_grad)
-    under ``torch.cuda.set_sync_debug_mode``."""
+    """Synchronizing calls per step of B (forward, backward, clip with error_if_nonfinite=True as B and as Bd, step,
+    zero_grad) under ``torch.cuda.set_sync_debug_mode``."""
     import warnings
 
     import torch.distributed as dist
@@ -213,7 +217,8 @@ def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
     for step in range(3):
         phases: Dict[str, Callable[[], Any]] = {
             "forward+backward": lambda: model(input_ids=tokens, labels=tokens).loss.backward(),
-            "clip (error_if_nonfinite=True)": lambda: clip(model, "B"),
+            "clip (error_if_nonfinite=True, raise)": lambda: clip(model, "B"),
+            "clip (error_if_nonfinite=True, device_assert)": lambda: clip(model, "Bd"),
             "optimizer step": optimizer.step,
             "zero_grad": lambda: optimizer.zero_grad(set_to_none=True),
         }
@@ -230,27 +235,32 @@ def host_syncs(config: Dict[str, Any], batch: int, seq: int) -> Dict[str, int]:
     return counts
 
 
-def nonfinite(config: Dict[str, Any]) -> Dict[str, Any]:
-    """Where a non-finite norm with ``error_if_nonfinite=True`` surfaces on CUDA: not at the clip (no host sync),
-    at the next call that waits for the GPU; the optimizer step queued after the failed assert never runs."""
+def nonfinite(config: Dict[str, Any], setup: str) -> Dict[str, Any]:
+    """Where a non-finite norm with ``error_if_nonfinite=True`` surfaces on CUDA. B (``"raise"``): at the clip, as
+    a RuntimeError the loop catches before skipping the batch, and the next step trains. Bd (``"device_assert"``):
+    not at the clip (no host sync) but at the next call that waits for the GPU; the optimizer step queued after the
+    failed assert never runs, and the process cannot use the GPU again."""
 
     device = _single_process_group(cuda=True)
-    model = build("B", config, "eager", device)
+    model = build(setup, config, "eager", device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     tokens = torch.randint(0, config["vocab_size"], (1, 16)).to(device)
-    model(input_ids=tokens, labels=tokens).loss.backward()
-    first = next(p for p in model.parameters() if p.grad is not None)
-    first.grad.to_local().fill_(float("inf"))  # type: ignore[union-attr]
     events: List[str] = []
-    clip(model, "B")
-    events.append("clip returned")
-    optimizer.step()
-    events.append("optimizer step returned")
-    try:
-        torch.cuda.synchronize()
-        events.append("synchronize returned")
-    except RuntimeError as error:
-        events.append(f"synchronize raised: {str(error).splitlines()[0]}")
+    for step in range(2):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        if step == 0:
+            first = next(p for p in model.parameters() if p.grad is not None)
+            first.grad.to_local().fill_(float("inf"))  # type: ignore[union-attr]
+        try:
+            clip(model, setup)
+            events.append(f"step {step}: clip returned")
+            optimizer.step()
+            events.append(f"step {step}: optimizer step returned")
+            torch.cuda.synchronize()
+            events.append(f"step {step}: synchronize returned")
+        except RuntimeError as error:
+            events.append(f"step {step}: raised: {str(error).splitlines()[0][:100]}")
+        optimizer.zero_grad(set_to_none=True)
     return {"events": events}
 
 
@@ -272,7 +282,7 @@ def _child(args: argparse.Namespace) -> None:
     if args.host_syncs:
         result: Any = host_syncs(config, args.batch, args.seq)
     elif args.nonfinite:
-        result = nonfinite(TINY)
+        result = nonfinite(TINY, args.nonfinite)
     else:
         result = measure(args.setups.split(","), config, args.mode, args.steps, args.warmup, args.batch, args.seq)
     print("RESULT " + json.dumps(result))
@@ -294,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--setups", default="", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--host-syncs", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--nonfinite", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nonfinite", default="", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--modes", nargs="+", default=["eager", "ac", "compile"])
@@ -326,7 +336,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             print(json.dumps({k: v for k, v in results.items() if k.startswith(mode)}), flush=True)
     if args.device == "cuda" and torch.cuda.is_available():
         results["host_syncs"] = _run_child(["--host-syncs", *shared])
-        results["nonfinite"] = _run_child(["--nonfinite"])
+        results["nonfinite"] = {setup: _run_child(["--nonfinite", setup]) for setup in ("B", "Bd")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(format_table(results, TINY if args.tiny else LLAMA_1B))
@@ -363,7 +373,7 @@ def format_table(results: Dict[str, Any], config: Dict[str, Any]) -> str:
 
 
 def _baseline(results: Dict[str, Any], mode: str, setup: str) -> Optional[float]:
-    """A for A, B, N and HF; A' for A' and D."""
+    """A for A, B, Bd, Br, N and HF; A' for A' and D."""
     name = "A'" if setup in ("A'", "D") else "A"
     group = "bf16-mixed" if name == "A'" else "bf16-true"
     row = results.get(f"{mode}/{group}", {}).get(name) or results.get(f"{mode}/{name}", {}).get(name)

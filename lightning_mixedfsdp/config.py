@@ -20,6 +20,7 @@ PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
 DtypeChoice = Literal["auto", "bf16", "fp32"]
 BufferSyncMode = Literal["none", "broadcast", "average"]
+NonfiniteCheck = Literal["raise", "device_assert"]
 
 SUPPORTED_PRECISIONS: tuple = get_args(PrecisionFlag)
 _DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -121,6 +122,13 @@ class MixedFSDPConfig:
     """Regular expressions searched in buffer names: exactly the matching buffers are synced, non-persistent ones
     included. ``None``: every persistent buffer."""
 
+    nonfinite_check: NonfiniteCheck = "raise"
+    """How ``fabric.clip_gradients(..., error_if_nonfinite=True)`` (Fabric's default) reports a non-finite grad norm.
+    ``"raise"``: Lightning's contract, a ``RuntimeError`` at the clip, before any grad is scaled, that you can catch
+    and train on (e.g. skip the batch); on a GPU the check waits for the norm, one host sync per clip.
+    ``"device_assert"``: no host sync; on a GPU the check is a device-side assert, which stops every kernel queued
+    after it and leaves the process unable to use the GPU (restart from the last checkpoint). On a CPU both raise."""
+
     print_report: bool = False
     """Print the dtype report on rank 0 when a model is set up."""
 
@@ -143,6 +151,7 @@ class MixedFSDPConfig:
             ("compute_dtype", get_args(DtypeChoice)),
             ("reduce_dtype", get_args(DtypeChoice)),
             ("buffer_sync", get_args(BufferSyncMode)),
+            ("nonfinite_check", get_args(NonfiniteCheck)),
         ):
             value = getattr(self, name)
             if value not in choices:

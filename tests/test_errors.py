@@ -151,6 +151,22 @@ def test_a_non_finite_grad_norm_raises_with_the_fix_when_asked() -> None:
     assert torch.equal(param.grad, torch.tensor([1.0, float("inf"), 0.0]))  # nothing scaled
 
 
+def test_the_sync_free_non_finite_check_raises_on_the_cpu_too() -> None:
+    from lightning_mixedfsdp import clip_grad_norm_
+
+    param = nn.Parameter(torch.ones(3))
+    param.grad = torch.tensor([1.0, float("nan"), 0.0])
+    with pytest.raises(RuntimeError, match=r"non-finite \(nan\), so it cannot be clipped. Set `error_if_nonfinite=False`"):
+        clip_grad_norm_([param], 1.0, error_if_nonfinite=True, nonfinite_check="device_assert")
+
+
+def test_an_unknown_non_finite_check() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"nonfinite_check='sync' is not supported; use one of \['raise', 'device_assert'\]"
+    ):
+        MixedFSDPConfig(nonfinite_check="sync").validate()  # type: ignore[arg-type]
+
+
 def test_expert_parallel_size_below_one() -> None:
     with pytest.raises(
         MixedFSDPConfigError, match=r"expert_parallel_size=0 must be an int >= 1; use 1 to leave expert"

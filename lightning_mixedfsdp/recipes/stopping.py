@@ -1,6 +1,12 @@
 """Stopping a run on request: SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, ``kill``) ask the run to stop at
 the next optimizer-step boundary, where :class:`~lightning_mixedfsdp.recipes.checkpoints.RunCheckpoints` saves
-``last.ckpt`` and ends the fit; a second one ends the process at once.
+``last.ckpt`` and ends the fit; a second one, :data:`REPEAT_WINDOW_S` or more after the first, ends the process at
+once.
+
+One request often arrives more than once: ``timeout`` signals its child and then the child's whole process group,
+and ``srun``, ``torchrun`` and SLURM's ``scancel`` forward what they receive to processes that are signalled
+directly too. Those copies come within milliseconds, so a stop signal within :data:`REPEAT_WINDOW_S` of the first
+belongs to the same request. A person who wants the run gone sends it again after that (a second Ctrl-C).
 
 A signal handler only sets a flag. It runs between two bytecodes of the main thread, possibly between two of FSDP's
 collectives, so it must not issue one (Lightning 2.6's own SIGTERM handler broadcasts from inside the handler, which
@@ -17,6 +23,7 @@ SIGUSR1, Lightning's SLURM requeue signal, is left to Lightning.
 import os
 import signal
 import threading
+import time
 from types import FrameType
 from typing import Any, Dict, Optional, Tuple
 
@@ -25,6 +32,8 @@ from lightning.pytorch.strategies import Strategy
 from lightning_mixedfsdp.recipes.console import process_rank
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_WINDOW_S = 2.0
+"""Stop signals this soon after the first are copies of the same request (a launcher forwarding it), not an abort."""
 
 
 class StopRequest:
@@ -76,17 +85,26 @@ class StopRequest:
             if process_rank() == 0:  # once per run, not once per rank
                 # os.write, not print: a print here could re-enter a print the main thread was in the middle of
                 name = signal.Signals(signum).name
-                os.write(2, f"\n{name}: stopping at the next step boundary with a checkpoint (again: abort)\n".encode())
+                os.write(
+                    2,
+                    f"\n{name}: stopping at the next step boundary with a checkpoint (again after"
+                    f" {REPEAT_WINDOW_S:g} s: abort)\n".encode(),
+                )
 
 
 def _abort_on_second_signal(read: int) -> None:
-    """Count the stop signals CPython reports on the wakeup pipe; at the second, end the process now (no checkpoint,
-    the shell's 128 + signal), whatever the main thread is blocked in."""
-    seen = 0
+    """Read the signals CPython reports on the wakeup pipe. The first stop signal is the request; others within
+    :data:`REPEAT_WINDOW_S` of it are its copies; one after that ends the process now (no checkpoint, the shell's
+    128 + signal), whatever the main thread is blocked in."""
+    first: Optional[float] = None
     with os.fdopen(read, "rb", buffering=0) as pipe:
         while chunk := pipe.read(64):
+            now = time.monotonic()
             for signum in chunk:
-                seen += signum in STOP_SIGNALS
-                if seen >= 2:
+                if signum not in STOP_SIGNALS:
+                    continue
+                if first is None:
+                    first = now
+                elif now - first >= REPEAT_WINDOW_S:
                     os.write(2, f"\n{signal.Signals(signum).name} again: aborting\n".encode())
                     os._exit(128 + signum)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_mixedfsdp._torch_compat import assert_on_device, foreach_mul_, foreach_norm
+from lightning_mixedfsdp.config import NonfiniteCheck
 
 _GroupKey = Tuple[Any, Any]
 _BucketKey = Tuple[torch.device, torch.dtype]
@@ -81,21 +82,26 @@ def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tens
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    nonfinite_check: NonfiniteCheck = "raise",
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes.
 
-    ``error_if_nonfinite`` keeps Lightning's meaning (a non-finite norm raises) without a host sync on CUDA: there
-    the check is a device-side assert placed before the scaling, so the host never waits for the norm. If it fails,
-    no kernel queued after it runs (the grads are not scaled, the optimizer step that follows changes nothing) and
-    the error surfaces as a RuntimeError ("device-side assert triggered") at the next call that waits for the GPU,
-    e.g. ``loss.item()`` or a checkpoint save; that process cannot use the GPU again, so restart from the last
-    checkpoint. On other devices it raises here, as torch does.
+    ``error_if_nonfinite`` keeps torch's and Lightning's contract: a non-finite norm raises a ``RuntimeError`` here,
+    before any grad is scaled, which the caller can catch and train on (skip the batch). On CUDA that check waits for
+    the norm: one host sync per call. ``nonfinite_check="device_assert"`` drops the sync: on CUDA the check becomes a
+    device-side assert placed before the scaling. If it fails, no kernel queued after it runs (the grads are not
+    scaled, the optimizer step that follows changes nothing) and the error surfaces as a RuntimeError ("device-side
+    assert triggered") at the next call that waits for the GPU, e.g. ``loss.item()`` or a checkpoint save; that
+    process cannot use the GPU again, so restart from the last checkpoint. On other devices both raise here.
     """
     groups, device = _grouped_grads(parameters)
     total = _total_norm(groups, device, float(norm_type))
     if error_if_nonfinite:
-        _check_finite(total, norm_type)
+        _check_finite(total, norm_type, on_device=nonfinite_check == "device_assert")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for buckets in groups.values():
         for (device, dtype), grads in buckets.items():
@@ -103,12 +109,12 @@ def clip_grad_norm_(
     return total
 
 
-def _check_finite(total: Tensor, norm_type: float) -> None:
+def _check_finite(total: Tensor, norm_type: float, on_device: bool) -> None:
     message = (
         f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. Set"
         " `error_if_nonfinite=False` to clip anyway."
     )
-    if total.device.type == "cuda":
+    if on_device and total.device.type == "cuda":
         assert_on_device(torch.isfinite(total), message)
     elif not torch.isfinite(total):
         raise RuntimeError(message.replace("non-finite", f"non-finite ({total.item()})"))

@@ -119,7 +119,13 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer),
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            nonfinite_check=self._config.nonfinite_check,
+        )
 
 
 class _MixedBackwardSyncControl(BackwardSyncControl):

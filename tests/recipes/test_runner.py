@@ -44,11 +44,29 @@ def train(*args: str) -> str:
     return out
 
 
-def train_until_sigterm(output: Path) -> Dict[str, Any]:
-    """Start the run in its own process group (as a shell starts a job), wait for its first numbered checkpoint,
-    then SIGTERM the group, as Ctrl-C or a scheduler signals every process of the job."""
+UNDER_TIMEOUT = ["timeout", "-s", "TERM", "600"]
+"""A batch script's or CI's wrapper: signalled, ``timeout`` sends the signal to its child and then to its whole
+process group again, so the first rank gets the request three times and the others twice, within milliseconds."""
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+"""torchrun forwards each signal it gets to its workers (in a session of their own, which a group signal misses)."""
+
+
+COPY_AFTER_S = 0.05
+"""A forwarder's copy of the request (``srun`` passing on ``scancel``'s signal) comes this much later: copies that
+arrive together can merge into one pending signal, this one is delivered on its own."""
+
+
+def train_until_sigterm(output: Path, launcher: List[str]) -> Dict[str, Any]:
+    """Start the run under ``launcher`` in its own process group (as a shell starts a job), wait for its first
+    numbered checkpoint, then SIGTERM the group, as Ctrl-C or a scheduler signals every process of the job, and
+    again :data:`COPY_AFTER_S` later, as a forwarding launcher does."""
+    run = command(*TINY, f"output.dir={output}")
+    if TORCHRUN[-1] in launcher:
+        run = [*launcher, "-m", *run[2:]]  # torchrun -m lightning_mixedfsdp.train ...
+    else:
+        run = [*launcher, *run]
     process = subprocess.Popen(
-        command(*TINY, f"output.dir={output}"),
+        run,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -59,6 +77,8 @@ def train_until_sigterm(output: Path) -> Dict[str, Any]:
     deadline = time.monotonic() + 240
     while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGTERM)
+    time.sleep(COPY_AFTER_S)
     os.killpg(process.pid, signal.SIGTERM)
     out, _ = process.communicate(timeout=120)
     return {"out": out, "returncode": process.returncode}
@@ -83,11 +103,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     out["export"] = root / "export"
     os.rename(whole / "export", out["export"])
     out["trained"] = dcp_model_state(whole / "checkpoints" / "last.ckpt", root)
-    interrupted = train_until_sigterm(stopped)
-    out["interrupted"] = interrupted
+    out["interrupted"] = train_until_sigterm(stopped, UNDER_TIMEOUT)
     out["stopped_step"] = checkpoint_step(stopped / "checkpoints" / "last.ckpt")
     out["stopped_exported"] = (stopped / "export").exists()
     out["resumed_out"] = train(*TINY, f"output.dir={stopped}", "--resume", "last")
+    torchrun = out["torchrun"] = root / "torchrun"
+    out["torchrun_interrupted"] = train_until_sigterm(torchrun, [*UNDER_TIMEOUT, *TORCHRUN])
+    out["torchrun_step"] = checkpoint_step(torchrun / "checkpoints" / "last.ckpt")
+    out["torchrun_resumed_out"] = train(*TINY, f"output.dir={torchrun}", "--resume", "last")
     out["extended_out"] = train(*TINY, f"output.dir={whole}", "--resume", "last", f"trainer.max_steps={EXTENDED}")
     return out
 
@@ -121,15 +144,28 @@ def test_the_main_job_trains_reports_perplexity_and_saves_checkpoints_bounded(ru
     assert "LeafSpec" not in out  # Lightning's deprecation, silenced at its call site
 
 
-def test_sigterm_to_the_process_group_saves_at_a_step_boundary_and_exits_cleanly(runs: Dict[str, Any]) -> None:
+def test_sigterm_to_the_process_group_under_timeout_saves_at_a_step_boundary_and_exits_cleanly(
+    runs: Dict[str, Any],
+) -> None:
     interrupted, step = runs["interrupted"], runs["stopped_step"]
     out = interrupted["out"]
     assert interrupted["returncode"] == 128 + signal.SIGTERM, out[-3000:]
     assert EVERY <= step < STEPS, out[-3000:]  # stopped mid-run, after the checkpoint it waited for
     assert f"stopped at step {step} of {STEPS}" in out and "--resume last" in out
     assert "SIGTERM: stopping at the next step boundary" in out
+    assert "again: aborting" not in out  # timeout's copies of the request are the same request
     assert "Traceback" not in out
     assert not runs["stopped_exported"]  # an unfinished run exports nothing
+
+
+def test_sigterm_through_torchrun_saves_and_resumes_to_the_uninterrupted_losses(runs: Dict[str, Any]) -> None:
+    """torchrun under timeout: each worker gets the request twice (torchrun forwards both copies it received).
+    torchrun itself exits 1 with its own traceback (its SignalException); the workers save and end cleanly."""
+    out, step = runs["torchrun_interrupted"]["out"], runs["torchrun_step"]
+    assert EVERY <= step < STEPS, out[-3000:]
+    assert "SIGTERM: stopping at the next step boundary" in out and f"stopped at step {step} of {STEPS}" in out
+    assert "again: aborting" not in out, out[-3000:]
+    assert losses(runs["torchrun"]) == runs["whole_losses"]  # bit for bit, before the stop and after the resume
 
 
 def test_the_resumed_run_repeats_the_uninterrupted_losses_exactly(runs: Dict[str, Any]) -> None:
@@ -314,19 +350,26 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, w
 """
 
 
-def test_a_second_signal_ends_even_a_rank_blocked_in_a_collective() -> None:
+def test_copies_of_a_stop_signal_are_one_request_and_a_later_one_ends_even_a_rank_blocked_in_a_collective() -> None:
+    from lightning_mixedfsdp.recipes.stopping import REPEAT_WINDOW_S
+
     process = subprocess.Popen(
         [sys.executable, "-c", HUNG], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     assert process.stdout is not None and process.stdout.readline() == "blocked\n"
     time.sleep(1.0)
-    process.send_signal(signal.SIGTERM)
+    first = time.monotonic()
+    for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):  # a launcher's copies, within milliseconds
+        process.send_signal(signum)
     time.sleep(1.0)
-    assert process.poll() is None  # the first one asks for a stop at the next step boundary
-    process.send_signal(signal.SIGTERM)
+    assert process.poll() is None  # one request: stop at the next step boundary
+    process.send_signal(signal.SIGINT)  # still inside the window
+    time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.3 - time.monotonic()))
+    assert process.poll() is None
+    process.send_signal(signal.SIGTERM)  # a new request after the window: abort
     out, _ = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGTERM, out
-    assert "SIGTERM again: aborting" in out
+    assert out.count("again: aborting") == 1 and "SIGTERM again: aborting" in out
 
 
 def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tmp_path: Path) -> None:

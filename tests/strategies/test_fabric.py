@@ -119,6 +119,41 @@ def _train_issue_156784(rank: int, world_size: int, strategy: Any) -> Dict[str, 
     return {"losses": losses, "params": describe_params(model), "after": full_params(model)}
 
 
+def _skip_a_nonfinite_batch(rank: int, world_size: int, skip_only: bool) -> Dict[str, Any]:
+    """Lightning's contract for ``clip_gradients`` (``error_if_nonfinite=True`` by default): a non-finite norm is a
+    RuntimeError the loop catches to skip the batch, then trains on. Step 1's loss is NaN on rank 1 only
+    (``skip_only``: step 1 is never run, the reference)."""
+    import torch.distributed as dist
+
+    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+
+    fabric = make_fabric(world_size, "bf16-true")
+    torch.manual_seed(0)
+    model = fabric.setup(TinyLlama(LLAMA))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    errors, losses = [], []
+    for step in range(4):
+        if step == 1 and skip_only:
+            continue
+        tokens = rank_slice(global_batch(world_size, step), rank, world_size)
+        loss = causal_lm_loss(model(tokens), tokens)
+        if step == 1 and rank == 1:
+            loss = loss * float("nan")
+        fabric.backward(loss)
+        try:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        except RuntimeError as error:
+            errors.append((step, str(error)))
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        optimizer.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        losses.append(global_loss.item())
+    return {"errors": errors, "losses": losses, "after": full_params(model)}
+
+
 def _core_scenarios(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
@@ -126,6 +161,7 @@ def _core_scenarios(rank: int, world_size: int) -> Dict[str, Any]:
     results["collectives"] = _collective_comparison(rank, world_size)
     results["issue_156784"] = _train_issue_156784(rank, world_size, "mixed_fsdp2")
     results["issue_156784_sharded"] = _train_issue_156784(rank, world_size, MixedFSDP2Strategy(replicate_below_bytes=0))
+    results["nonfinite"] = {skip: _skip_a_nonfinite_batch(rank, world_size, skip) for skip in (False, True)}
     return results
 
 
@@ -251,3 +287,15 @@ def test_a_launched_run_destroys_its_process_groups_before_the_interpreter_exits
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert [(tmp_path / f"rank{rank}").read_text() for rank in range(WORLD)] == ["False", "False"]
+
+
+def test_a_non_finite_grad_norm_is_a_catchable_error_and_the_loop_trains_on(core_results: list) -> None:
+    for rank_results in core_results:
+        poisoned, skipped = rank_results["nonfinite"][False], rank_results["nonfinite"][True]
+        # every rank raises at step 1 (the global norm is NaN everywhere), with torch's message
+        assert [step for step, _ in poisoned["errors"]] == [1] and not skipped["errors"]
+        assert "non-finite (nan), so it cannot be clipped" in poisoned["errors"][0][1]
+        # catching and skipping leaves the model as if the batch never came, bit for bit, with no NaN anywhere
+        assert poisoned["losses"] == skipped["losses"] and len(poisoned["losses"]) == 3
+        for name, value in poisoned["after"].items():
+            assert torch.isfinite(value).all() and torch.equal(value, skipped["after"][name]), name
