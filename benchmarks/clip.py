@@ -17,11 +17,11 @@ import torch
 from benchmarks.baselines import shard_uniform
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig
+from lightning_mixedfsdp.apply.clip import clip_grad_norm_
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) -> Dict[str, Any]:

@@ -9,10 +9,10 @@ from torch import nn
 
 from benchmarks.baselines import shard_each_norm_separately, shard_uniform
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+from lightning_mixedfsdp.apply.applier import apply_dtypes
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
-from lightning_mixedfsdp.sharding.apply import apply_dtypes
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 CONFIGS = {
     "a": "uniform all-bf16 FSDP2 (norms bf16: fast, numerically wrong)",

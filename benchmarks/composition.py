@@ -23,10 +23,10 @@ from torch import nn
 from benchmarks.baselines import shard_uniform
 from benchmarks.common import device_type, init_process_group, synchronize, training_state_bytes
 from lightning_mixedfsdp import MixedFSDPConfig
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 MODES = {
     "plain": {},

@@ -24,9 +24,9 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, local_bytes, synchronize, training_state_bytes
 from lightning_mixedfsdp import MixedFSDPConfig
+from lightning_mixedfsdp.mesh import TENSOR_PARALLEL, build_expert_meshes, build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
-from lightning_mixedfsdp.sharding.mesh import TENSOR_PARALLEL, build_expert_meshes, build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROUTERS = [r"mlp\.gate\.weight$"]

@@ -65,8 +65,8 @@ def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_mixedfsdp import MixedFSDPConfig
-    from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-    from lightning_mixedfsdp.sharding.pipeline import shard_model
+    from lightning_mixedfsdp.mesh import build_parallel_meshes
+    from lightning_mixedfsdp.pipeline import shard_model
 
     torch.manual_seed(0)
     hf_config = LlamaConfig(**config, use_cache=False, attn_implementation="sdpa")

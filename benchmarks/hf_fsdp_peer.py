@@ -22,9 +22,9 @@ from torch import nn
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def save_gpt_oss(directory: str, layers: int, hidden: int) -> None:

@@ -16,13 +16,13 @@ from torchmetrics.text import Perplexity
 
 from benchmarks.common import device_type, init_process_group
 from lightning_mixedfsdp import MixedFSDPConfig
+from lightning_mixedfsdp.apply.clip import clip_grad_norm_
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.lm import warmup_cosine
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 RUNS = {
     "fp32": ("32-true", {}, "full fp32"),

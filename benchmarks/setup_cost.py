@@ -13,10 +13,10 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
-from lightning_mixedfsdp.sharding.pipeline import shard_model
 
 
 def model_config(layers: int) -> TinyLlamaConfig:

@@ -1,22 +1,42 @@
-"""Mixed-dtype FSDP2 for Lightning: ``Fabric(strategy="mixed_fsdp2")``."""
+"""Mixed-dtype FSDP2 for Lightning: ``Fabric(strategy="mixed_fsdp2")``.
 
+Importing the package registers ``"mixed_fsdp2"`` with Fabric's and the Trainer's strategy registries when Lightning
+is installed. The torch-only layers (config, model, planning, mesh, apply, materialize, pipeline, checkpoint) import
+without it.
+"""
+
+from typing import Any
+
+from lightning_mixedfsdp.apply.clip import clip_grad_norm_, total_grad_norm
 from lightning_mixedfsdp.checkpoint import load_full_weights, load_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.sharding.clip import clip_grad_norm_, total_grad_norm
-from lightning_mixedfsdp.sharding.matching import find_keep_fp32_params
-from lightning_mixedfsdp.sharding.plan import DtypeKey, ShardGroup, ShardPlan, plan_sharding
+from lightning_mixedfsdp.planning.matching import find_keep_fp32_params
+from lightning_mixedfsdp.planning.planner import plan_sharding
+from lightning_mixedfsdp.planning.report import format_plan
+from lightning_mixedfsdp.planning.types import DtypeKey, ShardGroup, ShardPlan
 
 
 def _register() -> None:
     # launchers re-import this package in every child process; registration is guarded against doubles
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
+    try:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        from lightning.pytorch.strategies import StrategyRegistry
+    except ImportError:  # the torch-only layers work without Lightning; there is nothing to register with
+        return
 
     from lightning_mixedfsdp.strategies import fabric, trainer
 
     fabric.MixedFSDP2Strategy.register_strategies(STRATEGY_REGISTRY)
     trainer.MixedFSDP2Strategy.register_strategies(StrategyRegistry)
+
+
+def __getattr__(name: str) -> Any:
+    # the precision plugin is a Lightning class: imported on first use, so the package imports without Lightning
+    if name == "MixedFSDPPrecision":
+        from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
+
+        return MixedFSDPPrecision
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _register()
@@ -30,6 +50,7 @@ __all__ = [
     "ShardPlan",
     "clip_grad_norm_",
     "find_keep_fp32_params",
+    "format_plan",
     "load_full_weights",
     "load_weights",
     "plan_sharding",

@@ -5,7 +5,6 @@ transformers is optional: these import it only when called.
 """
 
 import re
-import sys
 from typing import Any, Dict, Optional
 
 from torch import nn
@@ -17,13 +16,11 @@ SPLIT_STYLE = "grouped_gemm"
 
 
 def model_ep_plan(module: nn.Module) -> Optional[Dict[str, str]]:
-    """The wildcard EP plan a model declares (``PreTrainedModel.ep_plan``: ``config.base_model_ep_plan`` prefixed with
-    the base model's name, e.g. ``{"model.layers.*.mlp.experts": "ep_dispatch_experts", ...}``); None when it declares
-    none, or is no ``PreTrainedModel`` (a peft wrapper forwards ``ep_plan`` to the model inside, whose names it is
-    relative to)."""
-    transformers = sys.modules.get("transformers")  # a model built from transformers has imported it
-    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
-        return None
+    """The wildcard EP plan an HF ``PreTrainedModel`` declares (``PreTrainedModel.ep_plan``:
+    ``config.base_model_ep_plan`` prefixed with the base model's name, e.g.
+    ``{"model.layers.*.mlp.experts": "ep_dispatch_experts", ...}``); None when it declares none. Ask it of
+    ``PreTrainedModel``s only: a peft wrapper forwards ``ep_plan`` to the model inside, whose names it is relative
+    to."""
     plan = getattr(module, "ep_plan", None)
     return dict(plan) if isinstance(plan, dict) and plan else None
 

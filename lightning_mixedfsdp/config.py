@@ -23,7 +23,9 @@ BufferSyncMode = Literal["none", "broadcast", "average"]
 NonfiniteCheck = Literal["raise", "device_assert"]
 
 SUPPORTED_PRECISIONS: tuple = get_args(PrecisionFlag)
-_DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The dtypes a config or recipe names, by the short names it uses."""
+_SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 # Lightning precision flag -> (storage, compute) for the non-pinned bulk; None means "as the model arrives"
 _PRECISION_TO_BULK = {
     "32-true": (None, None),
@@ -283,7 +285,12 @@ def resolve_bulk_dtypes(
 ) -> BulkDtypes:
     """Combine the config's dtype fields with a checked precision flag; explicit fields win over the flag."""
     flag_storage, flag_compute = _PRECISION_TO_BULK[precision]
-    resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else _DTYPES[storage]
-    resolved_compute = flag_compute if compute_dtype == "auto" else _DTYPES[compute_dtype]
-    resolved_reduce = resolved_compute if reduce_dtype == "auto" else _DTYPES[reduce_dtype]
+    resolved_storage = flag_storage if storage == "auto" else None if storage == "keep" else DTYPES[storage]
+    resolved_compute = flag_compute if compute_dtype == "auto" else DTYPES[compute_dtype]
+    resolved_reduce = resolved_compute if reduce_dtype == "auto" else DTYPES[reduce_dtype]
     return BulkDtypes(resolved_storage, resolved_compute, resolved_reduce)
+
+
+def short_dtype(dtype: Optional[torch.dtype]) -> str:
+    """``fp32``, ``bf16``, ...: a dtype as configs and reports name it; ``-`` for none."""
+    return _SHORT_NAMES.get(dtype, str(dtype).replace("torch.", "")) if dtype is not None else "-"

@@ -65,7 +65,7 @@ def train_reference(model: nn.Module, world_size: int, steps: int, lr: float = 1
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside Fabric's wrapper (and a top-level compile), so names carry no ``_forward_module.`` prefix."""
-    from lightning_mixedfsdp.sharding.names import unwrap_model
+    from lightning_mixedfsdp.model.names import unwrap_model
 
     return unwrap_model(model)
 
@@ -74,7 +74,7 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every param as a full plain tensor (gathers DTensors), by canonical name (wrapper prefixes stripped)."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_mixedfsdp.sharding.names import canonical_name
+    from lightning_mixedfsdp.model.names import canonical_name
 
     model = unwrap(model)
     return {

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision, plan_sharding
+from lightning_mixedfsdp.apply.applier import apply_dtypes
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from lightning_mixedfsdp.sharding.apply import apply_dtypes
-from lightning_mixedfsdp.sharding.mesh import build_parallel_meshes
+from lightning_mixedfsdp.mesh import build_parallel_meshes
 
 
 def test_unknown_storage() -> None:
@@ -156,7 +156,9 @@ def test_the_sync_free_non_finite_check_raises_on_the_cpu_too() -> None:
 
     param = nn.Parameter(torch.ones(3))
     param.grad = torch.tensor([1.0, float("nan"), 0.0])
-    with pytest.raises(RuntimeError, match=r"non-finite \(nan\), so it cannot be clipped. Set `error_if_nonfinite=False`"):
+    with pytest.raises(
+        RuntimeError, match=r"non-finite \(nan\), so it cannot be clipped. Set `error_if_nonfinite=False`"
+    ):
         clip_grad_norm_([param], 1.0, error_if_nonfinite=True, nonfinite_check="device_assert")
 
 
@@ -184,7 +186,7 @@ def test_expert_parallel_plan_with_an_unknown_style() -> None:
 
 
 def test_expert_parallelism_needs_a_model_with_an_ep_plan() -> None:
-    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from lightning_mixedfsdp.planning.experts import ExpertParallelError
     from tests.hf_models import tiny_model
 
     with pytest.raises(
@@ -196,7 +198,7 @@ def test_expert_parallelism_needs_a_model_with_an_ep_plan() -> None:
 
 
 def test_expert_parallel_plan_that_names_no_module() -> None:
-    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from lightning_mixedfsdp.planning.experts import ExpertParallelError
     from tests.hf_models import tiny_model
 
     with pytest.raises(
@@ -209,7 +211,7 @@ def test_expert_parallel_plan_that_names_no_module() -> None:
 
 
 def test_expert_parallel_size_must_divide_the_experts() -> None:
-    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from lightning_mixedfsdp.planning.experts import ExpertParallelError
     from tests.hf_models import tiny_model
 
     with pytest.raises(
@@ -221,7 +223,7 @@ def test_expert_parallel_size_must_divide_the_experts() -> None:
 
 
 def test_every_param_of_an_experts_module_must_be_split() -> None:
-    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from lightning_mixedfsdp.planning.experts import ExpertParallelError
     from tests.hf_models import tiny_model
 
     plan = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}
@@ -235,7 +237,7 @@ def test_every_param_of_an_experts_module_must_be_split() -> None:
 
 
 def test_expert_params_must_share_one_dtype() -> None:
-    from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError
+    from lightning_mixedfsdp.planning.experts import ExpertParallelError
     from tests.hf_models import tiny_model
 
     with pytest.raises(
@@ -248,7 +250,7 @@ def test_expert_params_must_share_one_dtype() -> None:
 
 
 def test_expert_parallel_size_must_divide_the_data_parallel_ranks() -> None:
-    from lightning_mixedfsdp.sharding.mesh import check_expert_parallel_size
+    from lightning_mixedfsdp.mesh import check_expert_parallel_size
 
     with pytest.raises(
         ValueError,
@@ -259,7 +261,7 @@ def test_expert_parallel_size_must_divide_the_data_parallel_ranks() -> None:
 
 
 def test_expert_parallelism_with_tensor_parallelism_is_refused() -> None:
-    from lightning_mixedfsdp.sharding.mesh import check_expert_parallel_size
+    from lightning_mixedfsdp.mesh import check_expert_parallel_size
 
     with pytest.raises(
         ValueError,
@@ -270,8 +272,8 @@ def test_expert_parallelism_with_tensor_parallelism_is_refused() -> None:
 
 
 def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
-    from lightning_mixedfsdp.sharding.apply import apply_plan
-    from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
+    from lightning_mixedfsdp.apply.applier import apply_plan
+    from lightning_mixedfsdp.mesh import ParallelMeshes
     from tests.hf_models import tiny_model
 
     model = tiny_model("qwen3_moe")

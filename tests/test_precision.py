@@ -105,7 +105,7 @@ def _hf_gpt_oss(world_size: int, export_dir: str) -> Dict[str, Any]:
     return {
         "losses": losses,
         "params": describe_params(model),
-        "rules": {n: p.rule for n, p in plan.params.items()},
+        "rules": {n: None if p.rule is None else str(p.rule) for n, p in plan.params.items()},
         "values": full_params(model),
     }
 
@@ -186,9 +186,9 @@ def test_leak_check_names_the_leaking_modules_when_frozen_pinning_is_off(results
 
 def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> None:
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+    from lightning_mixedfsdp.apply.applier import apply_dtypes
+    from lightning_mixedfsdp.materialize.meta import init_meta_module_
     from lightning_mixedfsdp.recipes.models import TinyLlama
-    from lightning_mixedfsdp.sharding.apply import apply_dtypes
-    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
 
     # `init_module()` under bf16-true builds in bf16, as Lightning's own does; keep-fp32 params are initialised in
     # fp32 (the rule in README), the rest in the dtype they were built in

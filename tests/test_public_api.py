@@ -12,7 +12,7 @@ ENTRY_POINTS = {
     "lightning_mixedfsdp.recipes.schema": ["Recipe", "RecipeError"],
     "lightning_mixedfsdp.recipes.loader": ["load_recipe"],
     "lightning_mixedfsdp.diagnostics": ["count_collectives", "DtypeLeakWarning"],
-    "lightning_mixedfsdp.sharding.pipeline": ["shard_model", "ShardedModel", "ShardedModels"],
+    "lightning_mixedfsdp.pipeline": ["shard_model", "ShardedModel", "ShardedModels"],
     "lightning_mixedfsdp.train": ["main"],
     "lightning_mixedfsdp.plan": ["main"],
 }

@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 from typing import List, Union
 
-from lightning_mixedfsdp.strategies.lightning_compat import LIGHTNING_METADATA_FILENAME
-
 PathLike = Union[str, Path]
 """What Lightning's own checkpoint paths accept (``lightning.fabric.utilities.types._PATH``)."""
 
 DCP_METADATA = ".metadata"
+LIGHTNING_METADATA_FILENAME = "meta.pt"
+"""The file of a Lightning sharded checkpoint beside DCP's own: everything but the model and optimizers (Lightning
+2.6's ``_METADATA_FILENAME``; ``strategies/lightning_compat.py`` reads Lightning's, a test checks they agree)."""
 _CHECKPOINT_FILE_NAMES = (DCP_METADATA, LIGHTNING_METADATA_FILENAME)
 _CHECKPOINT_FILE_SUFFIXES = (".distcp",)
 

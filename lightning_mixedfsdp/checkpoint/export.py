@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
-from lightning_mixedfsdp.sharding.names import is_peft_model, peft_base_name, unwrap_model, user_class
-from lightning_mixedfsdp.sharding.plan import ShardPlan
+from lightning_mixedfsdp.model.names import is_peft_model, peft_base_name, unwrap_model, user_class
+from lightning_mixedfsdp.planning.planner import ShardPlan
 
 if TYPE_CHECKING:
     from peft import PeftModel

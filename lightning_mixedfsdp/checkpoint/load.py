@@ -11,8 +11,8 @@ from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, repla
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
-from lightning_mixedfsdp.sharding.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
-from lightning_mixedfsdp.sharding.stream import produce_each, stream_into, tensor_targets
+from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
+from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -35,8 +35,8 @@ def load_weights(
     ``dtype``. The plan's dtype boundaries are installed too (a keep-fp32 module computes in fp32 and returns
     ``dtype``), so a plain forward runs. Tied params stay one tensor; a checkpoint may hold every tied name (equal
     copies) or one of them."""
-    from lightning_mixedfsdp.sharding.boundaries import apply_dtype_boundaries
-    from lightning_mixedfsdp.sharding.plan import plan_validated
+    from lightning_mixedfsdp.apply.boundaries import apply_dtype_boundaries
+    from lightning_mixedfsdp.planning.planner import plan_validated
 
     config = (config or MixedFSDPConfig()).validate()
     plan = plan_validated(model, config, BulkDtypes(dtype, dtype, dtype))

@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mixedfsdp._torch_compat import local_chunk
-from lightning_mixedfsdp.checkpoint.atomic import DCP_METADATA
-from lightning_mixedfsdp.sharding.names import canonical_name
-from lightning_mixedfsdp.strategies.lightning_compat import LIGHTNING_METADATA_FILENAME
+from lightning_mixedfsdp.checkpoint.atomic import DCP_METADATA, LIGHTNING_METADATA_FILENAME
+from lightning_mixedfsdp.model.names import canonical_name
+from lightning_mixedfsdp.model.tensors import local_tensor
 
 ABSENT_STATE_KEY = "mixed_fsdp2_params_without_optimizer_state"
 """The checkpoint metadata key of the shards saved with a stand-in state: optimizer key -> param name -> regions."""
@@ -117,12 +117,6 @@ def _is_dtensor(tensor: Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
-
-
-def local_tensor(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @contextmanager

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp.sharding.matching import is_within
-from lightning_mixedfsdp.sharding.names import user_class_name
-from lightning_mixedfsdp.sharding.tensors import tensors_in
+from lightning_mixedfsdp.model.names import is_within, user_class_name
+from lightning_mixedfsdp.model.tensors import tensors_in
 
 
 class DtypeLeakWarning(UserWarning):

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.planning.memory import MemoryEstimate, estimate_memory
+from lightning_mixedfsdp.planning.planner import ShardPlan, plan_sharding
+from lightning_mixedfsdp.planning.report import expert_lines, format_bytes, format_count, format_plan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
-from lightning_mixedfsdp.sharding.memory import MemoryEstimate, estimate_memory
-from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_sharding
-from lightning_mixedfsdp.sharding.report import format_bytes, format_count
 
 
 def build_on_meta(config: Any) -> nn.Module:
@@ -49,7 +49,7 @@ def format_summary(
         "collectives per step: " + ", ".join(f"{k} {v}" for k, v in collectives.items()),
     ]
     if plan.experts is not None:
-        lines += plan.expert_report(expert_shard_ranks=shard // plan.experts.size)
+        lines += expert_lines(plan, expert_shard_ranks=shard // plan.experts.size)
     lines += ["training state per rank (activations not included):"]
     lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
     lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
-    print(plan.report())
+    print(format_plan(plan))
     print()
     print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
     sys.stdout.flush()

@@ -28,7 +28,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
-from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
+from lightning_mixedfsdp.planning.report import format_plan
 from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
 from lightning_mixedfsdp.recipes.console import keep_console, process_rank
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
@@ -39,8 +40,6 @@ from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, re
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 from lightning_mixedfsdp.recipes.stopping import StopRequest
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
-
-EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
@@ -155,7 +154,7 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
     folder = RunFolder(Path(recipe.output.dir))
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
-    dtype = EXPORT_DTYPES[recipe.output.export_dtype]
+    dtype = DTYPES[recipe.output.export_dtype]
     strategy.export_safetensors(module.model, folder.export, dtype=dtype)
     if recipe.peft.enabled:
         strategy.export_adapter(module.model, folder.adapter)
@@ -171,10 +170,10 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
 
 def dry_run(recipe: Recipe) -> None:
     """Print the dtype plan and per-rank memory for the recipe's model at its world size; train nothing."""
+    from lightning_mixedfsdp.planning.memory import estimate_memory
+    from lightning_mixedfsdp.planning.planner import plan_sharding
     from lightning_mixedfsdp.recipes.dry_run import format_summary
     from lightning_mixedfsdp.recipes.models import TinyLlama
-    from lightning_mixedfsdp.sharding.memory import estimate_memory
-    from lightning_mixedfsdp.sharding.plan import plan_sharding
 
     model: nn.Module
     if recipe.model.hf_source() is None:
@@ -185,7 +184,7 @@ def dry_run(recipe: Recipe) -> None:
     world, replicate = recipe.world_size, recipe.strategy.data_parallel_replicate_size
     plan = plan_sharding(model, strategy_config(recipe), recipe.trainer.precision)
     estimate = estimate_memory(plan, shard_ranks=world // replicate, data_parallel_ranks=world)
-    print(plan.report())
+    print(format_plan(plan))
     print()
     print(format_summary(plan, estimate, world, replicate, None))
 

@@ -1,7 +1,7 @@
 """Every private Lightning API the strategies use, each behind one small function, checked on lightning 2.6.5 and
 2.6.6 (``pyproject.toml`` pins ``lightning>=2.6,<2.7``)."""
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
@@ -9,9 +9,23 @@ from torch import nn
 # Fabric's hook for ``no_backward_sync``; strategies subclass it (``lightning.fabric.strategies.strategy``).
 BackwardSyncControl = _BackwardSyncControl
 
-# The file of a Lightning sharded checkpoint that holds everything but the model and optimizers
-# (``lightning.fabric.utilities.load._METADATA_FILENAME``).
-LIGHTNING_METADATA_FILENAME = "meta.pt"
+
+def lightning_metadata_filename() -> str:
+    """The file of a Lightning sharded checkpoint that holds everything but the model and optimizers
+    (``lightning.fabric.utilities.load._METADATA_FILENAME``); ``checkpoint/atomic.py`` names it without importing
+    Lightning, and a test checks the two agree."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return str(_METADATA_FILENAME)
+
+
+def unwrap_fabric_module(module: nn.Module) -> Optional[nn.Module]:
+    """The user's module inside Fabric's ``_FabricModule`` (its private ``_forward_module``, which Lightning's own
+    strategies unwrap the same way); None for any other module. Registered with ``model/names.py`` when the strategies
+    are imported, so the torch-only code below them unwraps Fabric's modules without knowing Lightning."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    return module._forward_module if isinstance(module, _FabricModule) else None
 
 
 def has_dtensor_modules(value: object) -> bool:

@@ -1,6 +1,6 @@
 """What the Fabric and Trainer strategies share: config intake, precision adoption, Lightning's mesh contract (plus
 HSDP), handing a module to the pipeline, atomic checkpoints and export. Nothing here shards: the torch-only pipeline
-(``sharding/pipeline.py``) does; these are the adapters that let Lightning drive it."""
+(``pipeline.py``) does; these are the adapters that let Lightning drive it."""
 
 import uuid
 from contextlib import contextmanager
@@ -29,8 +29,7 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
     standing_in_for_state_ranks_lack,
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.sharding.mesh import (
+from lightning_mixedfsdp.mesh import (
     TENSOR_PARALLEL,
     ParallelMeshes,
     build_expert_meshes,
@@ -39,8 +38,9 @@ from lightning_mixedfsdp.sharding.mesh import (
     check_mesh_product,
     meshes_of_2d,
 )
-from lightning_mixedfsdp.sharding.pipeline import ParallelizeFn, ShardedModels, mixed_dtype_fsdp_groups, shard_model
-from lightning_mixedfsdp.sharding.plan import ShardPlan
+from lightning_mixedfsdp.pipeline import ParallelizeFn, ShardedModels, mixed_dtype_fsdp_groups, shard_model
+from lightning_mixedfsdp.planning.planner import ShardPlan
+from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
 STRATEGY_NAME = "mixed_fsdp2"

@@ -12,12 +12,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
 from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentState
-from lightning_mixedfsdp.precision import MixedFSDPPrecision
-from lightning_mixedfsdp.sharding.clip import clip_grad_norm_
 from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
 from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin, refuse_fsdp1_modules
+from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):

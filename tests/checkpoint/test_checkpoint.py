@@ -206,8 +206,8 @@ def test_a_sharded_checkpoint_holds_the_plans_layout_whichever_groups_torch_allo
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_mixedfsdp import MixedFSDPConfig
-    from lightning_mixedfsdp.sharding.matching import KeepFp32Rules
-    from lightning_mixedfsdp.sharding.plan import plan_model
+    from lightning_mixedfsdp.planning.matching import KeepFp32Rules
+    from lightning_mixedfsdp.planning.planner import plan_model
 
     config = MixedFSDPConfig(keep_fp32_params=A_LOG)
     bulk, rules = config.bulk_dtypes("bf16-true"), KeepFp32Rules.of(config)

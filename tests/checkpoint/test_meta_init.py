@@ -135,8 +135,8 @@ def _reference(model_type: str, **overrides: Any) -> Dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-    from lightning_mixedfsdp.sharding.apply import apply_dtypes
-    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
+    from lightning_mixedfsdp.apply.applier import apply_dtypes
+    from lightning_mixedfsdp.materialize.meta import init_meta_module_
 
     # built as `init_module()` builds under bf16-true (bf16 default dtype, as Lightning's own), initialised in the
     # dtypes README gives: keep-fp32 tensors in fp32, the rest in the dtype they were built in
@@ -213,7 +213,7 @@ def test_lora_adapters_on_meta_get_peft_init_so_the_untrained_adapter_changes_no
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lightning_mixedfsdp.sharding.materialize import init_meta_module_
+    from lightning_mixedfsdp.materialize.meta import init_meta_module_
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(tiny_config("llama"))

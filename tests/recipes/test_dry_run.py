@@ -77,7 +77,7 @@ def _allocated(rank: int, world_size: int) -> Dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.sharding.memory import estimate_memory
+    from lightning_mixedfsdp.planning.memory import estimate_memory
 
     def local(tensor: torch.Tensor) -> int:
         tensor = tensor.to_local() if isinstance(tensor, DTensor) else tensor

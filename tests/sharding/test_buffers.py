@@ -30,7 +30,7 @@ SYNC_MODES = ("none", "broadcast", "average")
 
 
 def _floating_buffers(model: nn.Module) -> Dict[str, torch.dtype]:
-    from lightning_mixedfsdp.sharding.names import canonical_name
+    from lightning_mixedfsdp.model.names import canonical_name
 
     return {canonical_name(n): b.dtype for n, b in model.named_buffers() if b.is_floating_point()}
 
@@ -38,7 +38,7 @@ def _floating_buffers(model: nn.Module) -> Dict[str, torch.dtype]:
 def _architecture(name: str) -> Dict[str, Any]:
     """Set up under bf16-true from an fp32 build, then two steps; the buffer dtypes against HF's bf16 build."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.sharding.plan import BUILT, CONSTRUCTED
+    from lightning_mixedfsdp.planning.types import BufferSource
 
     with torch.device("meta"):
         hf_bf16 = _floating_buffers(model_class(name).from_config(tiny_config(name), dtype=torch.bfloat16))
@@ -57,7 +57,11 @@ def _architecture(name: str) -> Dict[str, Any]:
     return {
         "after_setup": _floating_buffers(unwrap(model)),
         "hf_bf16": hf_bf16,
-        "keep_rules": {n: b.rule for n, b in plan.buffers.items() if b.rule not in (BUILT, CONSTRUCTED)},
+        "keep_rules": {
+            n: b.set_by
+            for n, b in plan.buffers.items()
+            if b.source not in (BufferSource.BUILT, BufferSource.CONSTRUCTED)
+        },
         "losses": losses,
     }
 

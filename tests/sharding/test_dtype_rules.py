@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mixedfsdp.planning.report import format_plan
 from tests.distributed import run_distributed
 from tests.hf_models import tiny_model
 from tests.scenarios import TOWER_UNITS, TowerModel, make_fabric, unwrap
@@ -61,8 +62,11 @@ def _round_trip(
     fabric.save(folder, {"model": model})
     fresh = fabric.setup(build(1))
     fabric.load(folder, {"model": fresh})
-    rules = {**{n: p.rule for n, p in plan.params.items()}, **{n: b.rule for n, b in plan.buffers.items()}}
-    return {"saved": saved, "loaded": _tensors(fresh), "rules": rules, "report": plan.report()}
+    rules = {
+        **{n: None if p.rule is None else str(p.rule) for n, p in plan.params.items()},
+        **{n: b.set_by for n, b in plan.buffers.items()},
+    }
+    return {"saved": saved, "loaded": _tensors(fresh), "rules": rules, "report": format_plan(plan)}
 
 
 def _llama(seed: int) -> nn.Module:

@@ -13,6 +13,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import pytest
 import torch
 
+from lightning_mixedfsdp.planning.report import format_plan
 from tests.distributed import run_distributed
 from tests.hf_models import model_class, tiny_config, tiny_model
 from tests.scenarios import (
@@ -92,7 +93,7 @@ def _run(
     """Set up, one counted step with its grads, then AdamW steps; the figures the tests compare."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_mixedfsdp.sharding.names import canonical_name
+    from lightning_mixedfsdp.model.names import canonical_name
 
     strategy = _strategy(expert_parallel_size, data_parallel_replicate_size=replicate, **fields)
     fabric = make_fabric(world, "bf16-true", strategy)
@@ -139,7 +140,7 @@ def _run(
         "predicted": plan.experts.all_to_alls_per_step(fields.get("activation_checkpointing", "none") != "none")
         if plan.experts
         else None,
-        "report": plan.report() if fabric.global_rank == 0 else "",
+        "report": format_plan(plan) if fabric.global_rank == 0 else "",
     }
 
 

@@ -187,7 +187,7 @@ def _removable_hooks(rank: int) -> Dict[str, Any]:
     def hooks_on(model: torch.nn.Module) -> int:
         return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
-    from lightning_mixedfsdp.sharding.adapt import adapted_modules
+    from lightning_mixedfsdp.apply.adapt import adapted_modules
 
     fabric = make_fabric(WORLD, "bf16-true")
     model = fabric.setup(TinyLlama(MIXER))

@@ -5,6 +5,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
+from lightning_mixedfsdp.planning.report import format_plan
 from tests.distributed import run_distributed
 from tests.scenarios import (
     A_LOG,
@@ -34,7 +35,7 @@ def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str
     torch.manual_seed(0)
     model = fabric.setup(TinyLlama(MIXER))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True))
-    out: Dict[str, Any] = {"report": fabric.strategy.plan_of(model).report()}
+    out: Dict[str, Any] = {"report": format_plan(fabric.strategy.plan_of(model))}
     for step in range(3):
         tokens = rank_slice(global_batch(world_size, step), rank, world_size)
         fabric.backward(causal_lm_loss(model(tokens), tokens))
@@ -216,9 +217,9 @@ def test_clip_total_norm_equals_the_single_process_reference(results: list) -> N
 
 def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing_deadlocks(results: list) -> None:
     from lightning_mixedfsdp import plan_sharding
+    from lightning_mixedfsdp.apply.applier import apply_dtypes
     from lightning_mixedfsdp.config import MixedFSDPConfig
     from lightning_mixedfsdp.recipes.models import TinyMoE
-    from lightning_mixedfsdp.sharding.apply import apply_dtypes
 
     rank0, rank1 = (r["moe"] for r in results)
     assert "layers.0.experts.1.weight" in rank0["replicated"]

@@ -7,7 +7,8 @@ import torch
 
 from benchmarks.baselines import shard_each_norm_separately
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-from lightning_mixedfsdp.sharding.apply import apply_dtypes
+from lightning_mixedfsdp.apply.applier import apply_dtypes
+from lightning_mixedfsdp.planning.report import format_plan
 from tests.distributed import run_distributed
 from tests.scenarios import (
     LLAMA,
@@ -58,7 +59,7 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
         "after": full_params(model),
         "counted": counted,
         "predicted": plan.predicted_collectives(),
-        "report": plan.report(),
+        "report": format_plan(plan),
         "sampler": fabric.strategy.distributed_sampler_kwargs,
         "fsdp_mesh": tuple(fabric.strategy.meshes.fsdp.shape),
     }

@@ -5,12 +5,11 @@ transformers 5.23 ships the parts (``transformers.distributed.expert_parallel``)
 DTensors on the EP mesh, and the ``ep_dispatch_experts`` style whose ``AllToAllEP`` sends each (token, expert) pair to
 the expert's rank and the outputs back. We use them as they are; what is ours is small:
 
-* :func:`plan_experts` (pure, for the planner): the concrete plan, the experts modules (each becomes its own FSDP unit,
-  sharded over the ranks holding the same experts) and the numbers the report prints;
-* :func:`apply_expert_parallel` (the ``apply_*`` leaf, after tensor parallelism, before AC / compile / FSDP);
-* :func:`set_expert_reduction`: the divide factor that makes expert grads the mean over all data-parallel ranks,
-  as dense grads are (the all-to-all's backward already sums the tokens of the EP group; FSDP's reduce over the
-  expert replicas sums the rest).
+* here, :func:`plan_experts` (pure, for the planner): the concrete plan, the experts modules (each becomes its own
+  FSDP unit, sharded over the ranks holding the same experts) and the numbers the report prints;
+* in ``apply/experts.py``, ``apply_expert_parallel`` (the ``apply_*`` leaf, after tensor parallelism, before AC /
+  compile / FSDP) and ``set_expert_reduction``, the divide factor that makes expert grads the mean over all
+  data-parallel ranks, as dense grads are.
 """
 
 from dataclasses import dataclass
@@ -21,15 +20,13 @@ from torch import nn
 from lightning_mixedfsdp._transformers_compat import (
     EXPERTS_STYLE,
     SPLIT_STYLE,
-    apply_expert_parallelism,
     model_ep_plan,
     wildcard_name,
 )
-from lightning_mixedfsdp.sharding.matching import is_within
-from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
+from lightning_mixedfsdp.model.names import ModuleIndex, is_hf_model, is_within
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+    pass
 
 # per MoE layer and step: AllToAllEP exchanges the split sizes (int64, experts x ranks) then the tokens (dispatch) and
 # the expert outputs (combine); backward runs the two token all-to-alls in reverse
@@ -111,31 +108,6 @@ def plan_experts(
     return ExpertPlan(size, plan, modules, params, num_experts)
 
 
-def apply_expert_parallel(model: nn.Module, experts: ExpertPlan, ep_mesh: "DeviceMesh", tp_mesh: "DeviceMesh") -> None:
-    """transformers' EP styles on ``model`` (names as they are now: wrappers from ``parallelize_fn`` allowed)."""
-    actual = {canonical_name(n): n for n, _ in model.named_modules()}
-    actual.update({canonical_name(n): n for n, _ in model.named_parameters()})
-    apply_expert_parallelism(model, {actual[name]: style for name, style in experts.plan.items()}, ep_mesh, tp_mesh)
-
-
-def set_expert_reduction(module: nn.Module, data_parallel_size: int, expert_shard_size: int) -> None:
-    """Expert grads averaged over every data-parallel rank, like dense grads.
-
-    An expert's grad on one rank already sums the tokens of all ``E`` ranks of its EP group (the all-to-all's
-    backward brings them back); FSDP's reduce over the ``data_parallel_size / E`` ranks holding the same experts sums
-    the rest. So the divide factor is ``data_parallel_size``, not FSDP's default (its own group size). FSDP applies a
-    custom factor with PREMUL_SUM, which gloo lacks and NCCL gets wrong in bf16 (pytorch#190745, fixed by #190747):
-    sum and divide locally instead, but only when there is a reduce-scatter (``expert_shard_size > 1``); without one
-    FSDP divides in its copy already, and a forced sum would divide twice.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    assert isinstance(module, FSDPModule)
-    module.set_gradient_divide_factor(float(data_parallel_size))
-    if expert_shard_size > 1:
-        module.set_force_sum_reduction_for_comms(True)
-
-
 def _declared_plan(index: ModuleIndex) -> Dict[str, str]:
     """The plans HF models inside ``model`` declare, prefixed with where they sit (the outermost one that has one)."""
     found: Dict[str, str] = {}
@@ -143,7 +115,7 @@ def _declared_plan(index: ModuleIndex) -> Dict[str, str]:
     for name, module in index.named_modules():
         if any(is_within(name, o) for o in owners):
             continue
-        plan = model_ep_plan(module)
+        plan = model_ep_plan(module) if is_hf_model(module) else None
         if plan:
             owners.append(name)
             found.update({f"{name}.{key}" if name else key: style for key, style in plan.items()})

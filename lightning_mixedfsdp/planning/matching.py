@@ -3,15 +3,38 @@ params and buffers in one pass."""
 
 import re
 from dataclasses import dataclass
+from enum import Enum
 from functools import lru_cache
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.sharding.names import ModuleIndex, named_tensors
+from lightning_mixedfsdp.model.names import ModuleIndex, is_within, join_name, named_tensors
 
 HF_NON_STRICT, HF_STRICT = "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"
+
+
+class RuleKind(str, Enum):
+    """Where a keep-fp32 rule comes from."""
+
+    MODULE = "module"
+    """``keep_fp32_modules``: a class-name suffix or a qualified class path."""
+    PARAM = "param"
+    """``keep_fp32_params``: a regex searched in qualified param and buffer names."""
+    HF = "hf"
+    """An HF ``_keep_in_fp32_modules[_strict]`` entry, as ``<attribute>[<entry>]``."""
+
+
+@dataclass(frozen=True)
+class KeepRule:
+    """One keep-fp32 rule; printed as ``kind:pattern`` (``module:RMSNorm``, ``param:A_log$``)."""
+
+    kind: RuleKind
+    pattern: str
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.pattern}"
 
 
 @dataclass(frozen=True)
@@ -34,13 +57,13 @@ class KeepFp32Rules:
 class KeepFp32Matches:
     """The outcome of matching: every param or buffer kept fp32, with the rule that kept it."""
 
-    rule_of: Dict[str, str]
-    """Qualified param or buffer name -> the first rule that matched it (e.g. ``"module:RMSNorm"``)."""
+    rule_of: Dict[str, KeepRule]
+    """Qualified param or buffer name -> the first rule that matched it."""
     strict: FrozenSet[str]
     """Names kept by an HF ``_keep_in_fp32_modules_strict`` list."""
     modules: Tuple[str, ...]
     """Qualified names of the modules a class rule matched (they compute in fp32 on purpose)."""
-    unmatched_rules: Tuple[str, ...]
+    unmatched_rules: Tuple[KeepRule, ...]
     """User rules that matched no param and no buffer."""
 
     def __contains__(self, name: object) -> bool:
@@ -60,25 +83,26 @@ def match_keep_fp32(model: nn.Module, rules: KeepFp32Rules, index: Optional[Modu
     recorded per tensor."""
     index = index or ModuleIndex(model)
     tensor_names = [name for name, _ in named_tensors(model)]
-    rule_of: Dict[str, str] = {}
-    hits: Dict[str, int] = {}
+    rule_of: Dict[str, KeepRule] = {}
+    hits: Dict[KeepRule, int] = {}
 
-    def keep(names: Iterable[str], rule: str) -> None:
+    def keep(names: Iterable[str], rule: KeepRule) -> None:
         hits.setdefault(rule, 0)
         for name in names:
             rule_of.setdefault(name, rule)
             hits[rule] += 1
 
     matched_modules: List[str] = []
-    for rule in rules.modules:
-        keep((), f"module:{rule}")
+    for class_rule in rules.modules:
+        rule = KeepRule(RuleKind.MODULE, class_rule)
+        keep((), rule)
         for prefix, module in index.named_modules():
-            if class_matches(module, rule):
+            if class_matches(module, class_rule):
                 matched_modules.append(prefix)
-                keep((n for n, _ in named_tensors(module, prefix)), f"module:{rule}")
+                keep((n for n, _ in named_tensors(module, prefix)), rule)
     for pattern in rules.names:
         compiled = re.compile(pattern)
-        keep((n for n in tensor_names if compiled.search(n)), f"param:{pattern}")
+        keep((n for n in tensor_names if compiled.search(n)), KeepRule(RuleKind.PARAM, pattern))
 
     strict: List[str] = []
     attributes = (HF_NON_STRICT, HF_STRICT) if rules.honor_hf else (HF_STRICT,)
@@ -116,7 +140,7 @@ def hf_name_matcher(listed: Sequence[str], transformers_version: Optional[str] =
     return lambda name: any(part in entries for part in name.split("."))
 
 
-def _hf_matches(index: ModuleIndex, attribute: str) -> List[Tuple[str, str]]:
+def _hf_matches(index: ModuleIndex, attribute: str) -> List[Tuple[str, KeepRule]]:
     """(qualified name, rule) for the tensors a module's HF list names, relative to that module, as HF loads them."""
     matches = []
     for prefix, module in index.named_modules():
@@ -127,7 +151,7 @@ def _hf_matches(index: ModuleIndex, attribute: str) -> List[Tuple[str, str]]:
         for name, _ in named_tensors(module):
             hit = next((entry for entry, matches_entry in matchers.items() if matches_entry(name)), None)
             if hit is not None:
-                matches.append((_join(prefix, name), f"hf:{attribute}[{hit}]"))
+                matches.append((join_name(prefix, name), KeepRule(RuleKind.HF, f"{attribute}[{hit}]")))
     return matches
 
 
@@ -145,10 +169,6 @@ def _major(version: str) -> int:
     return int(version.split(".")[0])
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def find_frozen_modules(model: nn.Module, index: Optional[ModuleIndex] = None) -> List[str]:
     """Canonical names of the largest submodules whose params are all frozen (``requires_grad=False``)."""
     frozen: List[str] = []
@@ -159,8 +179,3 @@ def find_frozen_modules(model: nn.Module, index: Optional[ModuleIndex] = None) -
         if params and not any(p.requires_grad for p in params):
             frozen.append(name)
     return frozen
-
-
-def is_within(name: str, outer: str) -> bool:
-    """``name`` (a module or param) is ``outer`` or inside it; ``""`` is the root, which holds everything."""
-    return outer == "" or name == outer or name.startswith(f"{outer}.")

@@ -6,13 +6,14 @@ so plans, reports, exports and checkpoints all speak of ``layers.0.attention.A_l
 """
 
 import sys
-from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Tuple
 
 from torch import Tensor, nn
 from typing_extensions import TypeGuard
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from transformers import PreTrainedModel
 
 WRAPPER_ATTRIBUTES = ("_checkpoint_wrapped_module", "_orig_mod")
 
@@ -24,9 +25,34 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_ATTRIBUTES)
 
 
+def join_name(prefix: str, name: str) -> str:
+    """``name`` qualified under ``prefix`` (``""`` is the root)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+def is_within(name: str, outer: str) -> bool:
+    """``name`` (a module or param) is ``outer`` or inside it; ``""`` is the root, which holds everything."""
+    return outer == "" or name == outer or name.startswith(f"{outer}.")
+
+
+Unwrapper = Callable[[nn.Module], Optional[nn.Module]]
+_UNWRAPPERS: List[Unwrapper] = []
+
+
+def register_unwrapper(unwrap: Unwrapper) -> None:
+    """Teach :func:`unwrap_model` a framework's wrapper: ``unwrap(module)`` returns the module inside, or None. The
+    strategies register Fabric's (``strategies/lightning_compat.py``), so nothing here needs to know Lightning."""
+    if unwrap not in _UNWRAPPERS:
+        _UNWRAPPERS.append(unwrap)
+
+
 def unwrap_model(module: nn.Module) -> nn.Module:
-    """The user's model inside Fabric's ``_FabricModule`` and a top-level ``torch.compile``."""
-    module = getattr(module, "_forward_module", module)
+    """The user's model inside the registered framework wrappers (Fabric's) and a top-level ``torch.compile``."""
+    for unwrap in _UNWRAPPERS:
+        inner = unwrap(module)
+        if inner is not None:
+            module = inner
+            break
     return getattr(module, "_orig_mod", module)
 
 
@@ -76,6 +102,13 @@ def peft_base_name(name: str) -> Optional[str]:
     if "lora_" in name:
         return None
     return name[len(PEFT_PREFIX) :].replace(".base_layer.", ".")
+
+
+def is_hf_model(module: nn.Module) -> "TypeGuard[PreTrainedModel]":
+    """A transformers ``PreTrainedModel``; transformers is imported only if the model's code already did (a model
+    built from transformers has), so other models cost no import (seconds)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
 def is_peft_model(module: nn.Module) -> "TypeGuard[PeftModel]":

@@ -15,14 +15,14 @@ from weakref import WeakKeyDictionary, WeakSet
 import torch
 from torch import nn
 
+from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
-from lightning_mixedfsdp.sharding.apply import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
-from lightning_mixedfsdp.sharding.matching import is_within
-from lightning_mixedfsdp.sharding.materialize import built_dtypes, has_meta_tensors, materialize_sharded
-from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
-from lightning_mixedfsdp.sharding.names import canonical_name, unwrap_model, user_class_name
-from lightning_mixedfsdp.sharding.plan import ShardPlan, plan_validated
+from lightning_mixedfsdp.materialize.meta import built_dtypes, has_meta_tensors, materialize_sharded
+from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.model.names import canonical_name, is_within, unwrap_model, user_class_name
+from lightning_mixedfsdp.planning.planner import ShardPlan, plan_validated
+from lightning_mixedfsdp.planning.report import format_plan
 
 TModel = TypeVar("TModel", bound=nn.Module)
 ParallelizeFn = Callable[[TModel, Any], TModel]
@@ -65,7 +65,7 @@ def shard_model(
     init_dtypes = {**built_dtypes(module), **dict.fromkeys(plan.fp32_names, torch.float32)} if on_meta else None
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.print_report:
-        _on_rank_zero(lambda: print(plan.report()))
+        _on_rank_zero(lambda: print(format_plan(plan)))
     module, applied = apply_plan(
         module,
         plan,

@@ -3,7 +3,7 @@ reducer that averages their grads once per backward.
 
 Optimizers, clipping and DCP see one consistent set of DTensors (shards and replicas on the same mesh), while
 unmodified module forwards (HF modules included) read plain tensors: the owner's class gets a property per replicated
-param (``sharding/adapt.py``), the way FSDP2 swaps unsharded params in, but with no hook and no state.
+param (``apply/adapt.py``), the way FSDP2 swaps unsharded params in, but with no hook and no state.
 """
 
 from dataclasses import dataclass
@@ -13,10 +13,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp._torch_compat import gradient_divide_factor, own_parameters, replace_parameter
-from lightning_mixedfsdp.sharding.adapt import Adaptation, ClassRestore, adapt
-from lightning_mixedfsdp.sharding.boundaries import group_boundary
-from lightning_mixedfsdp.sharding.names import ModuleIndex
-from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
+from lightning_mixedfsdp.apply.adapt import Adaptation, ClassRestore, adapt
+from lightning_mixedfsdp.apply.boundaries import group_boundary
+from lightning_mixedfsdp.model.names import ModuleIndex
+from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -20,9 +20,10 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, own_buffers
+from lightning_mixedfsdp.apply.bucketed import average_over_ranks, broadcast_from_first_rank
 from lightning_mixedfsdp.config import BufferSyncMode
-from lightning_mixedfsdp.sharding.bucketed import average_over_ranks, broadcast_from_first_rank
-from lightning_mixedfsdp.sharding.names import canonical_name
+from lightning_mixedfsdp.model.names import canonical_name
+from lightning_mixedfsdp.model.tensors import local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -74,7 +75,5 @@ class BufferSync:
 
     def _buffers(self) -> List[Tensor]:
         # read at each sync: module code may assign a new tensor to a buffer instead of updating it in place
-        from torch.distributed.tensor import DTensor
-
         buffers = [own_buffers(module)[attribute] for module, attribute in self._owners]
-        return [b.to_local() if isinstance(b, DTensor) else b for b in buffers if b is not None]
+        return [local_tensor(b) for b in buffers if b is not None]

@@ -1,7 +1,8 @@
-"""The planner: model + config -> ShardPlan. Pure: reads the model, never changes it, issues no collectives.
+"""The planner: model + config -> ShardPlan (``types.py``). Pure: reads the model, never changes it, issues no
+collectives.
 
 It decides, once, every param's storage/compute/reduce dtype and FSDP group, and every floating buffer's dtype.
-Names are canonical (``sharding/names.py``), so the plan fits the model before and after wrappers are applied.
+Names are canonical (``model/names.py``), so the plan fits the model before and after wrappers are applied.
 """
 
 from collections import Counter, defaultdict
@@ -13,246 +14,28 @@ from torch import nn
 
 from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names
 from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDPConfig
-from lightning_mixedfsdp.sharding.construction import constructed_buffer_dtypes
-from lightning_mixedfsdp.sharding.expert_parallel import ExpertParallelError, ExpertPlan, plan_experts
-from lightning_mixedfsdp.sharding.matching import (
+from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_within
+from lightning_mixedfsdp.planning.construction import constructed_buffer_dtypes
+from lightning_mixedfsdp.planning.experts import ExpertParallelError, ExpertPlan, plan_experts
+from lightning_mixedfsdp.planning.matching import (
     KeepFp32Matches,
     KeepFp32Rules,
+    KeepRule,
+    RuleKind,
     class_matches,
     find_frozen_modules,
-    is_within,
     match_keep_fp32,
 )
-from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.sharding.report import collapse_indices, format_bytes, format_shape, format_table, short_dtype
-
-ROOT = ""
-BUILT, FROZEN, CAST, CONSTRUCTED = "as built", "frozen module", "cast_buffers", "HF construction in the compute dtype"
-
-
-@dataclass(frozen=True)
-class DtypeKey:
-    """What FSDP needs uniform within a group: storage (original), compute (all-gather), reduce and output dtype."""
-
-    storage: torch.dtype
-    compute: torch.dtype
-    reduce: torch.dtype
-    output: Optional[torch.dtype] = None
-
-    def __str__(self) -> str:
-        text = f"{short_dtype(self.storage)}/{short_dtype(self.compute)}/{short_dtype(self.reduce)}"
-        return f"{text}->{short_dtype(self.output)}" if self.output is not None else text
-
-
-@dataclass(frozen=True)
-class ShardGroup:
-    """One ``fully_shard`` call (``replicated=False``) or one replicated set of params (``replicated=True``)."""
-
-    name: str
-    unit: str
-    """The wrap unit the group belongs to (``""`` for the root)."""
-    modules: Tuple[str, ...]
-    """Canonical module names; a sharded group with several is one list-form ``fully_shard([...])``. For a replicated
-    group these are the modules whose inputs/outputs are cast to the key's compute/output dtype (empty when no
-    module boundary separates the params)."""
-    key: DtypeKey
-    params: Tuple[str, ...]
-    replicated: bool = False
-    is_root: bool = False
-    reason: str = ""
-    """Why a group is replicated: ``"inseparable"`` or ``"small"``."""
-    expert: bool = False
-    """An experts module under expert parallelism: sharded over the ranks holding the same experts."""
-
-
-@dataclass(frozen=True)
-class ParamPlan:
-    name: str
-    shape: Tuple[int, ...]
-    key: DtypeKey
-    requires_grad: bool
-    group: str
-    replicated: bool
-    rule: Optional[str]
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * self.key.storage.itemsize
-
-
-@dataclass(frozen=True)
-class BufferPlan:
-    name: str
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    rule: str
-    """What set the dtype: a keep-fp32 rule, ``"frozen module"``, ``"cast_buffers"`` or ``"as built"``."""
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Every param's dtypes and group, every buffer's dtype, and the groups in application order (children first,
-    root last)."""
-
-    bulk: BulkDtypes
-    params: Dict[str, ParamPlan]
-    groups: Tuple[ShardGroup, ...]
-    buffers: Dict[str, BufferPlan]
-    units: Tuple[str, ...] = ()
-    """The wrap units, children before parents (the root is implicit)."""
-    keep_fp32_modules: Tuple[str, ...] = ()
-    """Modules matched by a keep-fp32 class rule: they compute in fp32 on purpose."""
-    warnings: Tuple[str, ...] = ()
-    experts: Optional[ExpertPlan] = None
-    """Expert parallelism: the experts modules, their split params and the plan handed to transformers."""
-    non_persistent_buffers: FrozenSet[str] = frozenset()
-    """Planned buffers that no state dict holds (a rotary ``inv_freq``): rebuilt, never saved or loaded."""
-
-    @property
-    def sharded_groups(self) -> Tuple[ShardGroup, ...]:
-        return tuple(g for g in self.groups if not g.replicated)
-
-    @property
-    def replicated_groups(self) -> Tuple[ShardGroup, ...]:
-        return tuple(g for g in self.groups if g.replicated)
-
-    @property
-    def replicated_params(self) -> Tuple[str, ...]:
-        return tuple(p for g in self.replicated_groups for p in g.params)
-
-    @property
-    def mixed_dtype_groups(self) -> Tuple[str, ...]:
-        """Sharded groups whose trainable params differ in storage, compute or reduce dtype: one ``fully_shard`` call
-        each only where torch groups mixed dtypes natively (:func:`fsdp_groups_can_mix_dtypes`). Frozen params may
-        differ on every torch: FSDP2 asks one dtype of the params it reduces."""
-        return tuple(g.name for g in self.sharded_groups if len(self._trainable_dtypes(g)) > 1)
-
-    def _trainable_dtypes(self, group: ShardGroup) -> set:
-        keys = (self.params[name].key for name in group.params if self.params[name].requires_grad)
-        return {(key.storage, key.compute, key.reduce) for key in keys}
-
-    @property
-    def checkpoint_layout(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
-        """What a checkpoint of the model holds per tensor: global shape and dtype of every param and planned
-        buffer. Placements and groups are not part of it (DCP stores global tensors), so the layout is the same
-        whichever groups the plan chose."""
-        layout = {name: (p.shape, p.key.storage) for name, p in self.params.items()}
-        layout.update({n: (b.shape, b.dtype) for n, b in self.buffers.items() if n not in self.non_persistent_buffers})
-        return layout
-
-    @property
-    def fp32_names(self) -> Tuple[str, ...]:
-        """Params kept fp32 by a rule and buffers planned in fp32: what an export keeps in fp32."""
-        params = [n for n, p in self.params.items() if p.rule is not None]
-        return (*params, *(n for n, b in self.buffers.items() if b.dtype == torch.float32))
-
-    def predicted_collectives(self, reshard_after_forward: bool = True, hsdp: bool = False) -> Dict[str, int]:
-        """Collectives of one forward+backward with gradient sync, once FSDP is lazily initialised.
-
-        The root group is not resharded after forward (FSDP's default), so it all-gathers once per step. HSDP adds
-        one all-reduce per trainable sharded group over the replicate dim. Replicated params add one all-reduce per
-        reduce dtype.
-        """
-        with_params = [g for g in self.sharded_groups if g.params]
-        trainable = [g for g in with_params if any(self.params[p].requires_grad for p in g.params)]
-        non_root = [g for g in with_params if not g.is_root]
-        replicated_dtypes = {self.params[p].key.reduce for p in self.replicated_params if self.params[p].requires_grad}
-        all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
-        predicted = {
-            "all_gather": all_gathers,
-            "reduce_scatter": len(trainable),
-            "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
-        }
-        if self.experts is not None:
-            all_to_alls = self.experts.all_to_alls_per_step()
-            predicted["all_to_all"] = all_to_alls["forward"] + all_to_alls["backward"]
-        return predicted
-
-    @property
-    def outermost_units(self) -> Tuple[str, ...]:
-        """Units not nested in another unit, in the plan's order (children before parents: last block first)."""
-        return tuple(u for u in self.units if not any(u != o and is_within(u, o) for o in self.units))
-
-    def report(self) -> str:
-        """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
-        in_experts = {n for m in (self.experts.modules if self.experts else ()) for n in self._params_in(m)}
-        param_rows = [
-            (
-                collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
-                format_shape(p.shape),
-                short_dtype(p.key.storage),
-                short_dtype(p.key.compute),
-                short_dtype(p.key.reduce),
-                "replicated" if p.replicated else "expert-parallel" if p.name in in_experts else "sharded",
-                collapse_indices(p.group),
-                p.rule or "-",
-            )
-            for p in self.params.values()
-        ]
-        header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
-        buffer_rows = [
-            (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.rule)
-            for b in self.buffers.values()
-        ]
-        total_bytes = sum(p.nbytes for p in self.params.values())
-        replicated_bytes = sum(self.params[p].nbytes for p in self.replicated_params)
-        bulk = self.bulk
-        summary = [
-            f"mixed_fsdp2 dtype plan: {len(self.params)} params ({format_bytes(total_bytes)}),"
-            f" {len(self.sharded_groups)} sharded groups, {len(self.replicated_groups)} replicated groups"
-            f" ({format_bytes(replicated_bytes)} replicated), {len(self.buffers)} floating buffers",
-            f"bulk: storage {short_dtype(bulk.storage) if bulk.storage else 'as loaded'},"
-            f" compute {short_dtype(bulk.compute) if bulk.compute else 'own dtype'},"
-            f" reduce {short_dtype(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
-            "collectives per step (predicted): "
-            + ", ".join(f"{k} {v}" for k, v in self.predicted_collectives().items()),
-        ]
-        if self.experts is not None:
-            summary += self.expert_report()
-        lines = summary + [""] + format_table(header, param_rows)
-        if buffer_rows:
-            lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
-        if self.warnings:
-            lines += [""] + [f"warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
-
-    def expert_bytes(self, expert_shard_ranks: int = 1) -> Tuple[int, int]:
-        """(all expert params' bytes, the bytes one rank stores: split over the EP ranks, then FSDP-sharded over the
-        ``expert_shard_ranks`` holding the same experts)."""
-        if self.experts is None:
-            return 0, 0
-        total = sum(self.params[p].nbytes for m in self.experts.modules for p in self._params_in(m))
-        return total, total // (self.experts.size * expert_shard_ranks)
-
-    def expert_report(self, expert_shard_ranks: Optional[int] = None) -> List[str]:
-        """The expert lines of the report: mesh, per-rank experts and bytes, all-to-alls per step."""
-        experts = self.experts
-        if experts is None:
-            return []
-        counts = sorted(set(experts.num_experts.values()))
-        total, per_rank = self.expert_bytes(expert_shard_ranks or 1)
-        all_to_alls = experts.all_to_alls_per_step()
-        layers = len(experts.modules)
-        shard = (
-            f"expert_data_parallel = data-parallel shard ranks / {experts.size}"
-            if expert_shard_ranks is None
-            else f"expert_data_parallel={expert_shard_ranks}"
-        )
-        return [
-            f"expert parallel: expert_parallel={experts.size} x {shard}; {layers} MoE layers, experts per layer"
-            f" {'/'.join(map(str, counts))} -> {'/'.join(str(c // experts.size) for c in counts)} per rank",
-            f"expert params: {format_bytes(total)} in all, {format_bytes(per_rank)} per rank"
-            + ("" if expert_shard_ranks else " before FSDP sharding over expert_data_parallel"),
-            f"all-to-all per step (predicted): forward {all_to_alls['forward']} ({layers} layers x (dispatch + combine"
-            f" + split sizes)), backward {all_to_alls['backward']} ({layers} layers x (dispatch + combine)); an"
-            " activation-checkpointed layer adds its forward's again in backward",
-        ]
-
-    def _params_in(self, module: str) -> List[str]:
-        return [n for n in self.params if is_within(n, module)]
-
-    def __str__(self) -> str:
-        return self.report()
+from lightning_mixedfsdp.planning.types import (
+    ROOT,
+    BufferPlan,
+    BufferSource,
+    DtypeKey,
+    ParamPlan,
+    ReplicationReason,
+    ShardGroup,
+    ShardPlan,
+)
 
 
 def plan_sharding(
@@ -389,7 +172,7 @@ def _one_group_per_unit(
         own = [g for g in unit_groups if g.modules == (unit,) and not g.replicated] or unit_groups[:1]
         params = tuple(name for g in unit_groups for name in g.params)
         merged.append(
-            replace(own[0], name=unit or "<root>", modules=(unit,), params=params, replicated=False, reason="")
+            replace(own[0], name=unit or "<root>", modules=(unit,), params=params, replicated=False, reason=None)
         )
     group_of = {name: group.name for group in merged for name in group.params}
     plans = {name: replace(p, group=group_of[name], replicated=False) for name, p in param_plans.items()}
@@ -434,14 +217,15 @@ def _plan_buffer(
     construction under the compute dtype gives it (``construction.py``) > as built."""
     shape = tuple(buffer.shape)
     if name in matches:
-        return BufferPlan(name, shape, torch.float32, matches.rule_of[name])
+        return BufferPlan(name, shape, torch.float32, BufferSource.KEEP_FP32, matches.rule_of[name])
     if in_frozen_module and bulk.compute is not None:
-        return BufferPlan(name, shape, bulk.compute, FROZEN)
+        return BufferPlan(name, shape, bulk.compute, BufferSource.FROZEN)
     if cast_buffers and bulk.storage is not None:
-        return BufferPlan(name, shape, bulk.storage, CAST)
+        return BufferPlan(name, shape, bulk.storage, BufferSource.CAST)
     if constructed is not None:
-        return BufferPlan(name, shape, constructed, CONSTRUCTED if constructed != buffer.dtype else BUILT)
-    return BufferPlan(name, shape, buffer.dtype, BUILT)
+        source = BufferSource.CONSTRUCTED if constructed != buffer.dtype else BufferSource.BUILT
+        return BufferPlan(name, shape, constructed, source)
+    return BufferPlan(name, shape, buffer.dtype, BufferSource.BUILT)
 
 
 def find_wrap_units(index: ModuleIndex, wrap_units: Optional[Sequence[str]]) -> List[str]:
@@ -505,14 +289,14 @@ def _plan_groups(
     return groups, group_of
 
 
-def _rule_warnings(unmatched_rules: Sequence[str]) -> Tuple[str, ...]:
+def _rule_warnings(unmatched_rules: Sequence[KeepRule]) -> Tuple[str, ...]:
     """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
     from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, DEFAULT_KEEP_FP32_PARAMS
 
-    defaults = {f"module:{rule}" for rule in DEFAULT_KEEP_FP32_MODULES}
-    defaults |= {f"param:{pattern}" for pattern in DEFAULT_KEEP_FP32_PARAMS}
-    norms = {f"module:{rule}" for rule in DEFAULT_NORM_RULES}
-    warnings = [f"keep-fp32 rule {rule!r} matched no parameter" for rule in unmatched_rules if rule not in defaults]
+    defaults = {KeepRule(RuleKind.MODULE, rule) for rule in DEFAULT_KEEP_FP32_MODULES}
+    defaults |= {KeepRule(RuleKind.PARAM, pattern) for pattern in DEFAULT_KEEP_FP32_PARAMS}
+    norms = {KeepRule(RuleKind.MODULE, rule) for rule in DEFAULT_NORM_RULES}
+    warnings = [f"keep-fp32 rule {str(r)!r} matched no parameter" for r in unmatched_rules if r not in defaults]
     if norms <= set(unmatched_rules):
         warnings.append(
             f"no module class ends with {' or '.join(DEFAULT_NORM_RULES)}: no norm is kept in fp32; if the"
@@ -549,14 +333,15 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
             label = f"{unit or '<root>'}:inseparable[{key}]"
-            groups.append(ShardGroup(label, unit, (), key, inseparable, replicated=True, reason="inseparable"))
+            reason = ReplicationReason.INSEPARABLE
+            groups.append(ShardGroup(label, unit, (), key, inseparable, replicated=True, reason=reason))
             taken.update(inseparable)
         if modules:
             name = f"{unit or '<root>'}[{','.join(_relative(m, unit) for m in modules)}]"
             nbytes = sum(params[n].numel() * key.storage.itemsize for n in covered)
             replicated = nbytes < facts.replicate_below_bytes
-            reason = "small" if replicated else ""
-            groups.append(ShardGroup(name, unit, tuple(modules), group_key, tuple(covered), replicated, reason=reason))
+            small = ReplicationReason.SMALL if replicated else None
+            groups.append(ShardGroup(name, unit, tuple(modules), group_key, tuple(covered), replicated, reason=small))
             taken.update(covered)
     rest = tuple(n for n in unit_params if n not in taken)
     if rest or unit == ROOT:
@@ -645,10 +430,3 @@ def _parent(name: str) -> str:
 
 def _relative(module_name: str, unit: str) -> str:
     return module_name[len(unit) + 1 :] if unit else module_name
-
-
-def _numel(shape: Tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

@@ -13,15 +13,10 @@ from torch import Tensor
 
 from lightning_mixedfsdp._torch_compat import assert_on_device, foreach_mul_, foreach_norm
 from lightning_mixedfsdp.config import NonfiniteCheck
+from lightning_mixedfsdp.model.tensors import local_tensor
 
 _GroupKey = Tuple[Any, Any]
 _BucketKey = Tuple[torch.device, torch.dtype]
-
-
-def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _placement_key(param: Tensor) -> _GroupKey:
@@ -43,7 +38,7 @@ def _grouped_grads(params: Iterable[Tensor]) -> Tuple[_Groups, torch.device]:
     for param in params:
         buckets = groups.setdefault(_placement_key(param), {})
         if param.grad is not None:
-            grad = _local(param.grad)
+            grad = local_tensor(param.grad)
             device = device or grad.device
             if grad.numel():
                 buckets.setdefault((grad.device, grad.dtype), []).append(grad)

@@ -3,7 +3,7 @@
 After sharding, rank 0 walks the model in the order a single process initialises it, one chunk at a time (a wrap
 unit, or one module outside the units): it swaps full-size CPU tensors into the chunk's modules (in the dtypes the
 model was built with, since random draws depend on the dtype), runs their init, streams the values into every
-rank's shards (``sharding/stream.py``) and swaps the shards back. No copy of the model is made, so this works
+rank's shards (``materialize/stream.py``) and swaps the shards back. No copy of the model is made, so this works
 whoever sharded it: our plan, a ``parallelize_fn`` that calls ``fully_shard`` or applies tensor parallelism, or a
 Trainer ``configure_model``. The values equal a single-process :func:`init_meta_module_` with
 the same seed, on CPU and on CUDA alike (DTensor's own RNG would give each shard other values than one process).
@@ -17,7 +17,6 @@ the same seed, on CPU and on CUDA alike (DTensor's own RNG would give each shard
 """
 
 import math
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import (
@@ -37,7 +36,6 @@ from typing import (
 
 import torch
 from torch import Tensor, nn
-from typing_extensions import TypeGuard
 
 from lightning_mixedfsdp._torch_compat import (
     non_persistent_buffer_names,
@@ -46,9 +44,16 @@ from lightning_mixedfsdp._torch_compat import (
     replace_buffer,
     replace_parameter,
 )
-from lightning_mixedfsdp.sharding.matching import is_within
-from lightning_mixedfsdp.sharding.names import canonical_name, named_tensors, user_class, user_class_name
-from lightning_mixedfsdp.sharding.stream import stream_into
+from lightning_mixedfsdp.materialize.stream import stream_into
+from lightning_mixedfsdp.model.names import (
+    canonical_name,
+    is_hf_model,
+    is_within,
+    join_name,
+    named_tensors,
+    user_class,
+    user_class_name,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -74,7 +79,7 @@ def init_order(model: nn.Module) -> List[InitStep]:
 
 
 def _walk(module: nn.Module, prefix: str, steps: List[InitStep]) -> None:
-    if _is_hf(module):
+    if is_hf_model(module):
         # asked of the model's own class: FSDP's dynamic `FSDP<Name>` subclass lives in torch, and HF would take it
         # for custom code and skip the init of every module without params of its own
         _walk_hf(module, prefix, module, user_class(module).is_custom_code(), steps)  # type: ignore[attr-defined]
@@ -83,7 +88,7 @@ def _walk(module: nn.Module, prefix: str, steps: List[InitStep]) -> None:
     reset: Init = (lambda _: reset_parameters()) if callable(reset_parameters) else None
     steps.append((prefix, module, _adapter_init(module) or reset))
     for name, child in module.named_children():
-        _walk(child, canonical_name(_join(prefix, name)), steps)
+        _walk(child, canonical_name(join_name(prefix, name)), steps)
 
 
 def _walk_hf(
@@ -92,8 +97,8 @@ def _walk_hf(
     """``PreTrainedModel.initialize_weights``' order (transformers 5: ``smart_apply``): children first, each module by
     its innermost PreTrainedModel's ``_initialize_weights``."""
     for name, child in module.named_children():
-        child_prefix = canonical_name(_join(prefix, name))
-        _walk_hf(child, child_prefix, child if _is_hf(child) else owner, is_custom_code, steps)
+        child_prefix = canonical_name(join_name(prefix, name))
+        _walk_hf(child, child_prefix, child if is_hf_model(child) else owner, is_custom_code, steps)
     initialize = owner._initialize_weights
     steps.append((prefix, module, _adapter_init(module) or (lambda m: initialize(m, is_custom_code))))
 
@@ -187,10 +192,10 @@ def _plan_chunks(model: nn.Module, outermost_units: Sequence[str], initialise: b
     for name, module, init in init_order(model):
         if initialise:
             key: Any = next((u for u in outermost_units if is_within(name, u)), ("module", name))
-            travelling = [_join(name, n) for n, _ in _own_tensors(module)]
+            travelling = [join_name(name, n) for n, _ in _own_tensors(module)]
         else:
             key = ("module", name)
-            travelling = [_join(name, n) for n in sorted(non_persistent_buffer_names(module))]
+            travelling = [join_name(name, n) for n in sorted(non_persistent_buffer_names(module))]
             if not travelling:
                 continue
         if key != current:
@@ -219,7 +224,7 @@ def _produce(
                 except Exception as raised:  # noqa: BLE001 - reported on every rank, with the module that raised
                     error = f"mixed_fsdp2 meta init: initialising {name or '<root>'} raised {raised!r}"
                 own = [(name, module, _own_tensors(module)) for name, module, _ in chunk.steps]
-                tensors = {canonical_name(_join(name, n)): t for name, _, owned in own for n, t in owned}
+                tensors = {canonical_name(join_name(name, n)): t for name, _, owned in own for n, t in owned}
                 yield error or _uninitialised(own, hf, wanted=set(chunk.names)), tensors
             finally:
                 for restore in swapped:
@@ -233,11 +238,11 @@ def _swap_in_full(module: nn.Module, prefix: str, dtypes: Dict[str, torch.dtype]
     flag = module.__dict__.get("_is_hf_initialized", _ABSENT)
     for name, param in params.items():
         if param is not None:
-            full = _full_like(param, dtypes.get(_join(prefix, name), param.dtype))
+            full = _full_like(param, dtypes.get(join_name(prefix, name), param.dtype))
             replace_parameter(module, name, nn.Parameter(full, requires_grad=param.requires_grad))
     for name, buffer in buffers.items():
         if buffer is not None:
-            replace_buffer(module, name, _full_like(buffer, dtypes.get(_join(prefix, name), buffer.dtype)))
+            replace_buffer(module, name, _full_like(buffer, dtypes.get(join_name(prefix, name), buffer.dtype)))
 
     def restore() -> None:
         for name, param in params.items():
@@ -291,7 +296,7 @@ def _uninitialised(
     missing = []
     for module_name, module, tensors in owned:
         for name, tensor in tensors:
-            full_name = canonical_name(_join(module_name, name))
+            full_name = canonical_name(join_name(module_name, name))
             sentinel = _sentinel(tensor.dtype)
             if sentinel is None or (wanted is not None and full_name not in wanted):
                 continue
@@ -311,7 +316,7 @@ def _uninitialised(
 def _tie_again(module: nn.Module) -> None:
     """``to_empty`` allocated tied weights one by one; HF ties them again, as its own ``init_weights`` does."""
     for submodule in module.modules():
-        if _is_hf(submodule):
+        if is_hf_model(submodule):
             submodule.tie_weights()
             return
 
@@ -324,15 +329,5 @@ def _init_context(module: nn.Module) -> ContextManager:
     return initialization.guard_torch_init_functions()
 
 
-def _is_hf(module: nn.Module) -> "TypeGuard[PreTrainedModel]":
-    # a model built from transformers has imported it: no import (seconds) for other models
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
-
-
 def _is_hf_anywhere(module: nn.Module) -> bool:
-    return any(_is_hf(m) for m in module.modules())
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    return any(is_hf_model(m) for m in module.modules())

@@ -10,13 +10,12 @@ default dtype to the compute dtype, as HF's ``dtype=`` does).
 """
 
 import copy
-import sys
 from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name, user_class
+from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_hf_model, is_within, user_class
 
 
 def constructed_buffer_dtypes(
@@ -24,14 +23,11 @@ def constructed_buffer_dtypes(
 ) -> Tuple[Dict[str, torch.dtype], List[str]]:
     """Canonical buffer name -> the dtype an HF submodule's construction under ``dtype`` gives it, for every HF model
     inside ``model`` (the outermost ones); and the HF models that could not be rebuilt, described."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:  # a model built from transformers has imported it
-        return {}, []
     dtypes: Dict[str, torch.dtype] = {}
     failures: List[str] = []
     outermost: List[str] = []
     for name, module in index.named_modules():
-        if not isinstance(module, transformers.PreTrainedModel) or any(_within(name, o) for o in outermost):
+        if not is_hf_model(module) or any(is_within(name, o) for o in outermost):
             continue
         outermost.append(name)
         try:
@@ -45,7 +41,3 @@ def constructed_buffer_dtypes(
             if buffer.is_floating_point():
                 dtypes[canonical_name(f"{name}.{buffer_name}" if name else buffer_name)] = buffer.dtype
     return dtypes, failures
-
-
-def _within(name: str, outer: str) -> bool:
-    return outer == "" or name == outer or name.startswith(f"{outer}.")

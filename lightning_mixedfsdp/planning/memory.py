@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict
 
-from lightning_mixedfsdp.sharding.plan import ParamPlan, ShardPlan
+from lightning_mixedfsdp.planning.planner import ParamPlan, ShardPlan
 
 
 @dataclass(frozen=True)

@@ -12,23 +12,23 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
-from lightning_mixedfsdp.config import BufferSyncMode
-from lightning_mixedfsdp.sharding.adapt import ClassRestore
-from lightning_mixedfsdp.sharding.boundaries import apply_boundaries, is_minority
-from lightning_mixedfsdp.sharding.bucketed import broadcast_from_first_rank
-from lightning_mixedfsdp.sharding.buffers import BufferSync
-from lightning_mixedfsdp.sharding.expert_parallel import apply_expert_parallel, set_expert_reduction
-from lightning_mixedfsdp.sharding.mesh import ParallelMeshes
-from lightning_mixedfsdp.sharding.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan, fsdp_groups_can_mix_dtypes
-from lightning_mixedfsdp.sharding.recovery import StepTracker, reset_fsdp_step
-from lightning_mixedfsdp.sharding.replicate import (
+from lightning_mixedfsdp.apply.adapt import ClassRestore
+from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
+from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
+from lightning_mixedfsdp.apply.buffers import BufferSync
+from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
+from lightning_mixedfsdp.apply.recovery import StepTracker, reset_fsdp_step
+from lightning_mixedfsdp.apply.replicate import (
     ReplicatedGradReducer,
     ReplicatedParam,
     as_dtensor,
     fsdp_gradient_divide_factor,
     replicate_params,
 )
+from lightning_mixedfsdp.config import BufferSyncMode
+from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name
+from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan, fsdp_groups_can_mix_dtypes
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

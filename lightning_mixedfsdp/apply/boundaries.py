@@ -3,16 +3,16 @@ bf16 blocks), its floating inputs are cast to its compute dtype and its outputs 
 ``recompute``) the fp32 region is recomputed in backward instead of saving fp32 activations.
 
 Every minority group's modules get one, whether FSDP shards them (their ``MixedPrecisionPolicy`` then casts nothing),
-replicates them, or the model is not sharded at all (``load_weights``). The mechanism is ``sharding/adapt.py``.
+replicates them, or the model is not sharded at all (``load_weights``). The mechanism is ``apply/adapt.py``.
 """
 
 from typing import List, Optional, Sequence
 
 from torch import nn
 
-from lightning_mixedfsdp.sharding.adapt import Adaptation, Boundary, ClassRestore, adapt
-from lightning_mixedfsdp.sharding.names import ModuleIndex
-from lightning_mixedfsdp.sharding.plan import ShardGroup, ShardPlan
+from lightning_mixedfsdp.apply.adapt import Adaptation, Boundary, ClassRestore, adapt
+from lightning_mixedfsdp.model.names import ModuleIndex
+from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan
 
 
 def is_minority(group: ShardGroup) -> bool:

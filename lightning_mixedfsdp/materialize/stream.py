@@ -12,7 +12,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp.sharding.names import canonical_name
+from lightning_mixedfsdp.model.names import canonical_name
+from lightning_mixedfsdp.model.tensors import local_tensor
 
 Chunk = List[str]
 """Canonical names of the params and buffers that travel together."""
@@ -50,7 +51,7 @@ def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Mapping[str, Tenso
     import torch.distributed as dist
 
     for dtype, members in _by_dtype(targets).items():
-        device = _local(members[0][1]).device
+        device = local_tensor(members[0][1]).device
         flat = torch.empty(sum(t.numel() for _, t in members), dtype=dtype, device=device)
         if full:
             offset = 0
@@ -79,12 +80,6 @@ def _by_dtype(targets: Iterable[Tuple[str, Tensor]]) -> Dict[torch.dtype, List[T
     for name, target in targets:
         buckets.setdefault(target.dtype, []).append((name, target))
     return buckets
-
-
-def _local(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def produce_each(

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp._torch_compat import inside_backward, queue_after_backward, reset_fsdp_iter_state
-from lightning_mixedfsdp.sharding.tensors import tensors_in
+from lightning_mixedfsdp.model.tensors import tensors_in
 
 
 class StepTracker:

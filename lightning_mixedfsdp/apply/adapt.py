@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_mixedfsdp._torch_compat import own_parameters
-from lightning_mixedfsdp.sharding.activations import narrow_saves, recomputed
-from lightning_mixedfsdp.sharding.tensors import cast_floating
+from lightning_mixedfsdp.apply.activations import narrow_saves, recomputed
+from lightning_mixedfsdp.model.tensors import cast_floating, local_tensor, map_tensors
 
 
 @dataclass(frozen=True)
@@ -97,11 +96,8 @@ def _adapted_class(cls: type, adaptation: Adaptation) -> type:
 
 def _local_view(name: str, dtype: torch.dtype) -> Any:
     def get(module: nn.Module) -> Tensor:
-        from torch.distributed.tensor import DTensor
-
-        value = own_parameters(module)[name]
         # a plain tensor stands there while rank 0 initialises a meta model (its full value, swapped in)
-        local = value.to_local() if isinstance(value, DTensor) else value
+        local = local_tensor(own_parameters(module)[name])
         # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
         return local if local.dtype == dtype else local.to(dtype)
 
@@ -128,7 +124,7 @@ def _boundary_forward(forward: Any, boundary: Boundary) -> Any:
             if not kwargs and all(isinstance(arg, Tensor) for arg in args):  # a norm's (hidden_states,)
                 args = tuple(cast_in(arg) for arg in args)
             else:
-                args, kwargs = apply_to_collection((args, kwargs), Tensor, cast_in)
+                args, kwargs = map_tensors((args, kwargs), cast_in)
             with narrow_saves(upcasts, type(module).__name__):
                 output = forward(module, *args, **kwargs)
             if boundary.output is None:

@@ -1,5 +1,5 @@
 """The precision plugin: a Lightning precision flag as bulk dtypes, and the casts of inputs and outputs. It decides no
-tensor's storage: the dtype plan does (``sharding/plan.py``)."""
+tensor's storage: the dtype plan does (``planning/planner.py``)."""
 
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager, Iterator, Optional
@@ -10,7 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig, PrecisionFlag
-from lightning_mixedfsdp.sharding.tensors import cast_floating
+from lightning_mixedfsdp.model.tensors import cast_floating
 
 
 class MixedFSDPPrecision(Precision):

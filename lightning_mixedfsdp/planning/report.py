@@ -1,0 +1,118 @@
+"""The dtype report: a plan read back as text (one row per param and buffer, repeated blocks collapsed to ``*``), and
+the table and unit formatting it and the dry-run planner use. It reads a plan and decides nothing."""
+
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lightning_mixedfsdp.config import short_dtype
+from lightning_mixedfsdp.planning.types import ShardPlan
+
+_INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=[.\[:,\]]|$)")
+
+
+def collapse_indices(name: str) -> str:
+    """``layers.3.attn`` -> ``layers.*.attn``: rows of repeated blocks become one."""
+    return _INDEX.sub("*", name)
+
+
+def format_table(header: Tuple[str, ...], rows: Sequence[Tuple[str, ...]]) -> List[str]:
+    """Aligned columns; identical rows counted once with ``xN`` on the first cell."""
+    counts: Dict[Tuple[str, ...], int] = {}
+    for row in rows:
+        counts[row] = counts.get(row, 0) + 1
+    table = [header] + [(f"{r[0]} x{n}" if n > 1 else r[0], *r[1:]) for r, n in counts.items()]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def format_shape(shape: Tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def format_bytes(count: float) -> str:
+    """Bytes in the largest binary unit that leaves at least 1 before the point: ``512 B``, ``5.00 KiB``, ``1.69 MiB``,
+    ``130.42 GiB``."""
+    if abs(count) < 1024:
+        return f"{count:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if abs(round(count, 2)) < 1024:
+            return f"{count:.2f} {unit}"
+    return f"{count / 1024:.2f} TiB"
+
+
+def format_count(count: float) -> str:
+    """A count in K, M or B (thousands, millions, billions): ``420.00K``, ``1.69M``, ``70.55B``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(count) >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return f"{count:.0f}"
+
+
+def format_plan(plan: ShardPlan) -> str:
+    """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
+    in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
+    param_rows = [
+        (
+            collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
+            format_shape(p.shape),
+            short_dtype(p.key.storage),
+            short_dtype(p.key.compute),
+            short_dtype(p.key.reduce),
+            "replicated" if p.replicated else "expert-parallel" if p.name in in_experts else "sharded",
+            collapse_indices(p.group),
+            str(p.rule) if p.rule is not None else "-",
+        )
+        for p in plan.params.values()
+    ]
+    header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
+    buffer_rows = [
+        (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.set_by) for b in plan.buffers.values()
+    ]
+    total_bytes = sum(p.nbytes for p in plan.params.values())
+    replicated_bytes = sum(plan.params[p].nbytes for p in plan.replicated_params)
+    bulk = plan.bulk
+    summary = [
+        f"mixed_fsdp2 dtype plan: {len(plan.params)} params ({format_bytes(total_bytes)}),"
+        f" {len(plan.sharded_groups)} sharded groups, {len(plan.replicated_groups)} replicated groups"
+        f" ({format_bytes(replicated_bytes)} replicated), {len(plan.buffers)} floating buffers",
+        f"bulk: storage {short_dtype(bulk.storage) if bulk.storage else 'as loaded'},"
+        f" compute {short_dtype(bulk.compute) if bulk.compute else 'own dtype'},"
+        f" reduce {short_dtype(bulk.reduce) if bulk.reduce else 'own dtype'}; keep-fp32: fp32/fp32/fp32",
+        "collectives per step (predicted): " + ", ".join(f"{k} {v}" for k, v in plan.predicted_collectives().items()),
+    ]
+    if plan.experts is not None:
+        summary += expert_lines(plan)
+    lines = summary + [""] + format_table(header, param_rows)
+    if buffer_rows:
+        lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
+    if plan.warnings:
+        lines += [""] + [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def expert_lines(plan: ShardPlan, expert_shard_ranks: Optional[int] = None) -> List[str]:
+    """The expert lines of the report: mesh, per-rank experts and bytes, all-to-alls per step."""
+    experts = plan.experts
+    if experts is None:
+        return []
+    counts = sorted(set(experts.num_experts.values()))
+    total, per_rank = plan.expert_bytes(expert_shard_ranks or 1)
+    all_to_alls = experts.all_to_alls_per_step()
+    layers = len(experts.modules)
+    shard = (
+        f"expert_data_parallel = data-parallel shard ranks / {experts.size}"
+        if expert_shard_ranks is None
+        else f"expert_data_parallel={expert_shard_ranks}"
+    )
+    return [
+        f"expert parallel: expert_parallel={experts.size} x {shard}; {layers} MoE layers, experts per layer"
+        f" {'/'.join(map(str, counts))} -> {'/'.join(str(c // experts.size) for c in counts)} per rank",
+        f"expert params: {format_bytes(total)} in all, {format_bytes(per_rank)} per rank"
+        + ("" if expert_shard_ranks else " before FSDP sharding over expert_data_parallel"),
+        f"all-to-all per step (predicted): forward {all_to_alls['forward']} ({layers} layers x (dispatch + combine"
+        f" + split sizes)), backward {all_to_alls['backward']} ({layers} layers x (dispatch + combine)); an"
+        " activation-checkpointed layer adds its forward's again in backward",
+    ]

@@ -1,0 +1,201 @@
+"""The plan's data: every param's dtypes and FSDP group, every floating buffer's dtype, and the groups in the order
+they are applied. Plain frozen dataclasses and enums; the planner (``planner.py``) makes them, the report
+(``report.py``) prints them, apply, materialise, load and export read them."""
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+
+from lightning_mixedfsdp.config import BulkDtypes, short_dtype
+from lightning_mixedfsdp.model.names import is_within
+from lightning_mixedfsdp.planning.experts import ExpertPlan
+from lightning_mixedfsdp.planning.matching import KeepRule
+
+ROOT = ""
+"""The root module's canonical name."""
+
+
+class ReplicationReason(str, Enum):
+    """Why a group of params is replicated on every data-parallel rank instead of sharded."""
+
+    INSEPARABLE = "inseparable"
+    """No module boundary separates the params from those of another dtype (a bare fp32 param beside bf16 ones)."""
+    SMALL = "small"
+    """The group is below ``replicate_below_bytes``: one all-reduce costs less than an all-gather per use."""
+
+
+class BufferSource(str, Enum):
+    """What set a floating buffer's planned dtype, in order of precedence."""
+
+    KEEP_FP32 = "keep-fp32 rule"
+    FROZEN = "frozen module"
+    CAST = "cast_buffers"
+    CONSTRUCTED = "HF construction in the compute dtype"
+    BUILT = "as built"
+
+
+@dataclass(frozen=True)
+class DtypeKey:
+    """What FSDP needs uniform within a group: storage (original), compute (all-gather), reduce and output dtype."""
+
+    storage: torch.dtype
+    compute: torch.dtype
+    reduce: torch.dtype
+    output: Optional[torch.dtype] = None
+
+    def __str__(self) -> str:
+        text = f"{short_dtype(self.storage)}/{short_dtype(self.compute)}/{short_dtype(self.reduce)}"
+        return f"{text}->{short_dtype(self.output)}" if self.output is not None else text
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """One ``fully_shard`` call (``replicated=False``) or one replicated set of params (``replicated=True``)."""
+
+    name: str
+    unit: str
+    """The wrap unit the group belongs to (``""`` for the root)."""
+    modules: Tuple[str, ...]
+    """Canonical module names; a sharded group with several is one list-form ``fully_shard([...])``. For a replicated
+    group these are the modules whose inputs/outputs are cast to the key's compute/output dtype (empty when no
+    module boundary separates the params)."""
+    key: DtypeKey
+    params: Tuple[str, ...]
+    replicated: bool = False
+    is_root: bool = False
+    reason: Optional[ReplicationReason] = None
+    """Why a group is replicated (None for a sharded group)."""
+    expert: bool = False
+    """An experts module under expert parallelism: sharded over the ranks holding the same experts."""
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    name: str
+    shape: Tuple[int, ...]
+    key: DtypeKey
+    requires_grad: bool
+    group: str
+    replicated: bool
+    rule: Optional[KeepRule]
+    """The keep-fp32 rule that pinned the param to fp32, if one did."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.key.storage.itemsize
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    source: BufferSource
+    """What set the dtype."""
+    rule: Optional[KeepRule] = None
+    """The keep-fp32 rule, when ``source`` is :attr:`BufferSource.KEEP_FP32`."""
+
+    @property
+    def set_by(self) -> str:
+        """What set the dtype, as the report prints it: the keep-fp32 rule, or the source."""
+        return str(self.rule) if self.rule is not None else self.source.value
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Every param's dtypes and group, every buffer's dtype, and the groups in application order (children first,
+    root last)."""
+
+    bulk: BulkDtypes
+    params: Dict[str, ParamPlan]
+    groups: Tuple[ShardGroup, ...]
+    buffers: Dict[str, BufferPlan]
+    units: Tuple[str, ...] = ()
+    """The wrap units, children before parents (the root is implicit)."""
+    keep_fp32_modules: Tuple[str, ...] = ()
+    """Modules matched by a keep-fp32 class rule: they compute in fp32 on purpose."""
+    warnings: Tuple[str, ...] = ()
+    experts: Optional[ExpertPlan] = None
+    """Expert parallelism: the experts modules, their split params and the plan handed to transformers."""
+    non_persistent_buffers: FrozenSet[str] = frozenset()
+    """Planned buffers that no state dict holds (a rotary ``inv_freq``): rebuilt, never saved or loaded."""
+
+    @property
+    def sharded_groups(self) -> Tuple[ShardGroup, ...]:
+        return tuple(g for g in self.groups if not g.replicated)
+
+    @property
+    def replicated_groups(self) -> Tuple[ShardGroup, ...]:
+        return tuple(g for g in self.groups if g.replicated)
+
+    @property
+    def replicated_params(self) -> Tuple[str, ...]:
+        return tuple(p for g in self.replicated_groups for p in g.params)
+
+    @property
+    def mixed_dtype_groups(self) -> Tuple[str, ...]:
+        """Sharded groups whose trainable params differ in storage, compute or reduce dtype: one ``fully_shard`` call
+        each only where torch groups mixed dtypes natively (:func:`fsdp_groups_can_mix_dtypes`). Frozen params may
+        differ on every torch: FSDP2 asks one dtype of the params it reduces."""
+        return tuple(g.name for g in self.sharded_groups if len(self._trainable_dtypes(g)) > 1)
+
+    def _trainable_dtypes(self, group: ShardGroup) -> set:
+        keys = (self.params[name].key for name in group.params if self.params[name].requires_grad)
+        return {(key.storage, key.compute, key.reduce) for key in keys}
+
+    @property
+    def checkpoint_layout(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """What a checkpoint of the model holds per tensor: global shape and dtype of every param and planned
+        buffer. Placements and groups are not part of it (DCP stores global tensors), so the layout is the same
+        whichever groups the plan chose."""
+        layout = {name: (p.shape, p.key.storage) for name, p in self.params.items()}
+        layout.update({n: (b.shape, b.dtype) for n, b in self.buffers.items() if n not in self.non_persistent_buffers})
+        return layout
+
+    @property
+    def fp32_names(self) -> Tuple[str, ...]:
+        """Params kept fp32 by a rule and buffers planned in fp32: what an export keeps in fp32."""
+        params = [n for n, p in self.params.items() if p.rule is not None]
+        return (*params, *(n for n, b in self.buffers.items() if b.dtype == torch.float32))
+
+    def predicted_collectives(self, reshard_after_forward: bool = True, hsdp: bool = False) -> Dict[str, int]:
+        """Collectives of one forward+backward with gradient sync, once FSDP is lazily initialised.
+
+        The root group is not resharded after forward (FSDP's default), so it all-gathers once per step. HSDP adds
+        one all-reduce per trainable sharded group over the replicate dim. Replicated params add one all-reduce per
+        reduce dtype.
+        """
+        with_params = [g for g in self.sharded_groups if g.params]
+        trainable = [g for g in with_params if any(self.params[p].requires_grad for p in g.params)]
+        non_root = [g for g in with_params if not g.is_root]
+        replicated_dtypes = {self.params[p].key.reduce for p in self.replicated_params if self.params[p].requires_grad}
+        all_gathers = len(with_params) + (len(non_root) if reshard_after_forward else 0)
+        predicted = {
+            "all_gather": all_gathers,
+            "reduce_scatter": len(trainable),
+            "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
+        }
+        if self.experts is not None:
+            all_to_alls = self.experts.all_to_alls_per_step()
+            predicted["all_to_all"] = all_to_alls["forward"] + all_to_alls["backward"]
+        return predicted
+
+    @property
+    def outermost_units(self) -> Tuple[str, ...]:
+        """Units not nested in another unit, in the plan's order (children before parents: last block first)."""
+        return tuple(u for u in self.units if not any(u != o and is_within(u, o) for o in self.units))
+
+    def expert_bytes(self, expert_shard_ranks: int = 1) -> Tuple[int, int]:
+        """(all expert params' bytes, the bytes one rank stores: split over the EP ranks, then FSDP-sharded over the
+        ``expert_shard_ranks`` holding the same experts)."""
+        if self.experts is None:
+            return 0, 0
+        total = sum(self.params[p].nbytes for m in self.experts.modules for p in self.params_in(m))
+        return total, total // (self.experts.size * expert_shard_ranks)
+
+    def params_in(self, module: str) -> List[str]:
+        """The params inside ``module`` (canonical names)."""
+        return [n for n in self.params if is_within(n, module)]
