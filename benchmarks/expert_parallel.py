@@ -16,7 +16,6 @@ import statistics
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -24,7 +23,7 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, local_bytes, synchronize, training_state_bytes
 from lightning_mixedfsdp import MixedFSDPConfig
-from lightning_mixedfsdp.mesh import TENSOR_PARALLEL, build_expert_meshes, build_parallel_meshes
+from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.launch import run_distributed
 
@@ -84,15 +83,11 @@ def measure(
     rank: int, world: int, sizes: List[int], hidden: int, experts: int, layers: int, steps: int, warmup: int, kind: str
 ) -> Dict[str, Any]:
     device = init_process_group(kind)
-    dense = build_parallel_meshes(kind, 1, world, 1, world)
     tokens = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(rank)).to(device)
     sync = synchronize(kind)
     models, optimizers, plans = {}, {}, {}
     for size in sizes:
-        meshes = dense
-        if size > 1:
-            tensor_parallel = dense.root[TENSOR_PARALLEL]
-            meshes = replace(dense, experts=build_expert_meshes(kind, 1, world, size, tensor_parallel))
+        meshes = build_parallel_meshes(kind, 1, world, 1, world, expert_parallel=size)
         config = MixedFSDPConfig(expert_parallel_size=size, keep_fp32_params=ROUTERS)
         sharded = shard_model(
             build_model(hidden, experts, layers).to(device), config, config.bulk_dtypes("bf16-true"), meshes, device

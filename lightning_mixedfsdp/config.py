@@ -5,8 +5,9 @@ activation-checkpointing mode (:func:`parse_activation_checkpointing`).
 """
 
 import re
-from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Literal, NamedTuple, Optional, get_args
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Literal, NamedTuple, Optional, Union, get_args
 
 import torch
 
@@ -213,6 +214,19 @@ class MixedFSDPConfig:
         )
 
     @classmethod
+    def from_input(
+        cls, config: "Optional[Union[MixedFSDPConfig, Mapping[str, Any]]]", fields: Dict[str, Any], owner: str
+    ) -> "MixedFSDPConfig":
+        """A strategy's config: a config object (or a mapping of its fields, e.g. an OmegaConf block) with keyword
+        ``fields`` over it, validated once; ``owner`` is the class that was given them."""
+        if config is not None and not isinstance(config, (MixedFSDPConfig, Mapping)):
+            raise TypeError(f"{owner}(config={config!r}) must be a MixedFSDPConfig or a mapping of its fields.")
+        base = dict(config) if isinstance(config, Mapping) else asdict(config or cls())
+        if fields.get("wrap_units") == "auto":
+            fields = {**fields, "wrap_units": None}
+        return cls.from_kwargs(**{**base, **fields}).validate()
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "MixedFSDPConfig":
         """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
         known = {f.name for f in fields(cls)}
@@ -278,6 +292,18 @@ class BulkDtypes(NamedTuple):
     storage: Optional[torch.dtype]
     compute: Optional[torch.dtype]
     reduce: Optional[torch.dtype]
+
+    @classmethod
+    def uniform(cls, dtype: torch.dtype) -> "BulkDtypes":
+        """One dtype for storage, compute and reduce: a load or export in ``dtype``."""
+        return cls(dtype, dtype, dtype)
+
+    @property
+    def init_dtype(self) -> Optional[torch.dtype]:
+        """The default dtype ``init_module()`` builds params in: the bulk storage dtype when it is bf16, as
+        Lightning's ``bf16-true`` does (keep-fp32 params are then cast up by the plan, as HF's
+        ``from_config(dtype=bf16)`` does); None keeps torch's default."""
+        return self.storage if self.storage == torch.bfloat16 else None
 
 
 def resolve_bulk_dtypes(

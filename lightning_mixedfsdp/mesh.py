@@ -1,8 +1,15 @@
-"""Device meshes for data parallelism: pure FSDP (1-D) or HSDP (replicate x shard), plus tensor parallelism, and the
-expert meshes of expert parallelism."""
+"""The parallel dims of a run in one object, as torchtitan's ``ParallelDims``: the sizes (HSDP replicas, data-parallel
+shard ranks, tensor parallelism, expert parallelism), their validation (every problem at once), the device meshes
+built from them (dense and expert) and the gradient divide factors they imply.
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+The dense mesh is pure FSDP (1-D) or HSDP (replicate x shard), with tensor parallelism innermost; expert parallelism
+splits the shard ranks into ``expert_data_parallel x expert_parallel``.
+"""
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, List, Literal, Optional, TypeVar, Union
+
+from torch import nn
 
 from lightning_mixedfsdp._torch_compat import flatten_mesh
 
@@ -16,6 +23,13 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
     "tensor_parallel",
 )
 EXPERT_DATA_PARALLEL, EXPERT_PARALLEL = "expert_data_parallel", "expert_parallel"
+
+MeshSize = Union[Literal["auto"], int]
+"""A mesh size as Lightning's strategies take it: an int, or ``"auto"`` to be resolved from the world."""
+
+TModel = TypeVar("TModel", bound=nn.Module)
+ParallelizeFn = Callable[[TModel, "DeviceMesh"], TModel]
+"""``fn(model, device_mesh) -> model``: the user's tensor parallelism or wrappers, run on the full mesh."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +47,10 @@ class ExpertMeshes:
     """The ranks one MoE layer's experts are split over; tokens move between them by all-to-all."""
     tensor_parallel: "DeviceMesh"
     """The ranks sharing one batch (size 1: expert parallelism does not compose with tensor parallelism here)."""
+    gradient_divide_factor: float
+    """What the experts' FSDP groups divide their reduced grads by: every data-parallel rank, as for dense grads. An
+    expert's grad on one rank already sums the tokens of its EP group (the all-to-all's backward brings them back);
+    the reduce over the ranks holding the same experts sums the rest."""
 
     @property
     def shard_size(self) -> int:
@@ -53,89 +71,158 @@ class ParallelMeshes:
     """The expert meshes when ``expert_parallel_size > 1``."""
 
 
-def meshes_of_2d(root: "DeviceMesh") -> ParallelMeshes:
-    """The meshes of Lightning's ``(data_parallel, tensor_parallel)`` mesh: params sharded over ``data_parallel``."""
-    data_parallel = root[DATA_PARALLEL]
-    return ParallelMeshes(root=root, fsdp=data_parallel, data_parallel=data_parallel)
+@dataclass(frozen=True)
+class ParallelDims:
+    """Every parallel size of a run, resolved and validated: ``replicate x shard x tensor_parallel`` ranks, the shard
+    ranks split again by ``expert_parallel`` for the experts."""
 
+    replicate: int
+    """HSDP replicas of the sharded model (e.g. one per node); 1 is plain FSDP."""
+    shard: int
+    """Data-parallel ranks each param is sharded over."""
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    """Ranks each MoE layer's experts are split over; 1 is off."""
 
-def check_mesh_product(replicate: int, shard: int, tensor_parallel: int, world_size: int, owner: str) -> None:
-    """Lightning's error type and words for sizes that do not multiply to the world size."""
-    if replicate * shard * tensor_parallel != world_size:
-        raise RuntimeError(
-            f"{owner}: the sizes `data_parallel_replicate_size={replicate}`, `data_parallel_size={shard}` and"
-            f" `tensor_parallel_size={tensor_parallel}` multiplied should equal the world size ({world_size});"
-            " change the sizes or the number of devices/nodes."
+    @classmethod
+    def resolve(
+        cls,
+        world_size: int,
+        devices_per_node: int,
+        data_parallel_size: MeshSize = "auto",
+        replicate: int = 1,
+        tensor_parallel_size: MeshSize = 1,
+        expert_parallel: int = 1,
+        owner: str = "mixed_fsdp2",
+    ) -> "ParallelDims":
+        """Resolve ``"auto"`` sizes as Lightning does and validate the result. ``tensor_parallel_size="auto"`` is the
+        devices of a node; ``data_parallel_size="auto"`` takes every rank the others leave (Lightning's: the number of
+        nodes, which is the same when tensor parallelism is ``"auto"``)."""
+        check_sizes(data_parallel_size, replicate, tensor_parallel_size, owner)
+        tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
+        if data_parallel_size == "auto":
+            shard = max(world_size // (replicate * tensor_parallel), 1)
+        else:
+            shard = int(data_parallel_size)
+        dims = cls(replicate, shard, tensor_parallel, expert_parallel)
+        dims.validate(world_size, owner)
+        return dims
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches: the replicas times the shard ranks."""
+        return self.replicate * self.shard
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks holding the same experts (``expert_data_parallel``), over which their FSDP group shards them."""
+        return self.shard // self.expert_parallel
+
+    def problems(self, world_size: int) -> List[str]:
+        """Every problem of these sizes for ``world_size`` ranks, each with its fix; empty when valid."""
+        problems = []
+        if self.replicate * self.shard * self.tensor_parallel != world_size:
+            problems.append(
+                f"the sizes `data_parallel_replicate_size={self.replicate}`, `data_parallel_size={self.shard}` and"
+                f" `tensor_parallel_size={self.tensor_parallel}` multiplied should equal the world size"
+                f" ({world_size}); change the sizes or the number of devices/nodes"
+            )
+        if self.expert_parallel > 1:
+            problems.extend(self._expert_problems())
+        return problems
+
+    def validate(self, world_size: int, owner: str = "mixed_fsdp2") -> "ParallelDims":
+        """Raise with every problem at once (Lightning's ``RuntimeError`` for sizes that do not multiply to the
+        world, as its own strategy does; a ``ValueError`` for the rest); return ``self`` when valid."""
+        if self.replicate * self.shard * self.tensor_parallel != world_size:
+            raise RuntimeError(f"{owner}: " + "; ".join(self.problems(world_size)) + ".")
+        problems = self.problems(world_size)
+        if problems:
+            raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
+        return self
+
+    def _expert_problems(self) -> List[str]:
+        problems = []
+        if self.shard % self.expert_parallel:
+            problems.append(
+                f"expert_parallel_size={self.expert_parallel} must divide the data-parallel shard ranks"
+                f" (data_parallel_size={self.shard}): the experts are split over ranks that hold different batches;"
+                " use a divisor of it"
+            )
+        if self.tensor_parallel != 1:
+            problems.append(
+                f"expert_parallel_size={self.expert_parallel} with tensor_parallel_size={self.tensor_parallel} is not"
+                " supported; use tensor_parallel_size=1 with expert parallelism"
+            )
+        return problems
+
+    def build_meshes(self, device_type: str, lightning_mesh: Optional["DeviceMesh"] = None) -> ParallelMeshes:
+        """The dense meshes (reusing Lightning's 2-D ``(data_parallel, tensor_parallel)`` mesh when there are no HSDP
+        replicas and one is given) and, with expert parallelism, the expert meshes, rank for rank aligned."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.replicate == 1:
+            root = lightning_mesh
+            if root is None:
+                root = init_device_mesh(
+                    device_type, (self.shard, self.tensor_parallel), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
+                )
+            meshes = ParallelMeshes(root=root, fsdp=root[DATA_PARALLEL], data_parallel=root[DATA_PARALLEL])
+        else:
+            root = init_device_mesh(
+                device_type,
+                (self.replicate, self.shard, self.tensor_parallel),
+                mesh_dim_names=(DP_REPLICATE, DP_SHARD, TENSOR_PARALLEL),
+            )
+            data_parallel = flatten_mesh(root[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
+            meshes = ParallelMeshes(root=root, fsdp=root[DP_REPLICATE, DP_SHARD], data_parallel=data_parallel)
+        if self.expert_parallel > 1:
+            meshes = replace(meshes, experts=self._expert_meshes(device_type, meshes.root[TENSOR_PARALLEL]))
+        return meshes
+
+    def _expert_meshes(self, device_type: str, tensor_parallel: "DeviceMesh") -> ExpertMeshes:
+        """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.replicate == 1:
+            root = init_device_mesh(
+                device_type,
+                (self.expert_shard, self.expert_parallel),
+                mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
+            )
+            fsdp = root[EXPERT_DATA_PARALLEL]
+        else:
+            root = init_device_mesh(
+                device_type,
+                (self.replicate, self.expert_shard, self.expert_parallel),
+                mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
+            )
+            fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
+        return ExpertMeshes(
+            root=root,
+            fsdp=fsdp,
+            expert_parallel=root[EXPERT_PARALLEL],
+            tensor_parallel=tensor_parallel,
+            gradient_divide_factor=float(self.data_parallel),
         )
 
 
-def build_parallel_meshes(
-    device_type: str,
-    replicate_size: int,
-    shard_size: int,
-    tensor_parallel_size: int,
-    world_size: int,
-    owner: str = "mixed_fsdp2",
-) -> ParallelMeshes:
-    """HSDP: params sharded over ``data_parallel_shard`` and replicated over ``data_parallel_replicate``; replicated
-    params' grads reduced over both, flattened into ``data_parallel``. With ``replicate_size == 1`` the same as
-    Lightning's 2-D mesh."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    check_mesh_product(replicate_size, shard_size, tensor_parallel_size, world_size, owner)
-    if replicate_size == 1:
-        root = init_device_mesh(
-            device_type, (shard_size, tensor_parallel_size), mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL)
-        )
-        return meshes_of_2d(root)
-    root = init_device_mesh(
-        device_type,
-        (replicate_size, shard_size, tensor_parallel_size),
-        mesh_dim_names=(DP_REPLICATE, DP_SHARD, TENSOR_PARALLEL),
-    )
-    data_parallel = flatten_mesh(root[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
-    fsdp = root[DP_REPLICATE, DP_SHARD] if replicate_size > 1 else root[DP_SHARD]
-    return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel)
-
-
-def check_expert_parallel_size(
-    expert_parallel_size: int, shard_size: int, tensor_parallel_size: int, owner: str
-) -> None:
-    """Expert parallelism splits the data-parallel shard ranks; it needs a size that divides them, and no TP."""
+def check_sizes(data_parallel_size: Any, replicate: Any, tensor_parallel_size: Any, owner: str) -> None:
+    """Sizes that can never be right, refused when a strategy is constructed (the world is known only at launch)."""
     problems = []
-    if shard_size % expert_parallel_size:
-        problems.append(
-            f"expert_parallel_size={expert_parallel_size} must divide the data-parallel shard ranks"
-            f" (data_parallel_size={shard_size}): the experts are split over ranks that hold different batches; use a"
-            " divisor of it"
-        )
-    if tensor_parallel_size != 1:
-        problems.append(
-            f"expert_parallel_size={expert_parallel_size} with tensor_parallel_size={tensor_parallel_size} is not"
-            " supported; use tensor_parallel_size=1 with expert parallelism"
-        )
+    for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+        if value != "auto" and not (isinstance(value, int) and value >= 1):
+            problems.append(f"{name}={value!r} must be 'auto' or an int >= 1")
+    if not (isinstance(replicate, int) and replicate >= 1):
+        problems.append(f"data_parallel_replicate_size={replicate!r} must be an int >= 1")
     if problems:
         raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
 
 
-def build_expert_meshes(
-    device_type: str, replicate_size: int, shard_size: int, expert_parallel_size: int, tensor_parallel: "DeviceMesh"
-) -> ExpertMeshes:
-    """The meshes of :class:`ExpertMeshes`, rank for rank aligned with the dense data-parallel mesh (rank ``r * shard
-    + s`` holds batch ``s`` of replica ``r`` in both)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    expert_shard = shard_size // expert_parallel_size
-    if replicate_size == 1:
-        root = init_device_mesh(
-            device_type, (expert_shard, expert_parallel_size), mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL)
-        )
-        fsdp = root[EXPERT_DATA_PARALLEL]
-    else:
-        root = init_device_mesh(
-            device_type,
-            (replicate_size, expert_shard, expert_parallel_size),
-            mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
-        )
-        fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
-    return ExpertMeshes(root=root, fsdp=fsdp, expert_parallel=root[EXPERT_PARALLEL], tensor_parallel=tensor_parallel)
+def build_parallel_meshes(
+    device_type: str, replicate: int, shard: int, tensor_parallel: int, world_size: int, expert_parallel: int = 1
+) -> ParallelMeshes:
+    """The meshes of :class:`ParallelDims` ``(replicate, shard, tensor_parallel, expert_parallel)``, validated for
+    ``world_size`` ranks: what the benchmarks and tests set up without a strategy."""
+    dims = ParallelDims(replicate, shard, tensor_parallel, expert_parallel).validate(world_size)
+    return dims.build_meshes(device_type)

@@ -9,7 +9,7 @@ dtype-leak check. It imports nothing from Lightning: the strategies, the recipes
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 from weakref import WeakKeyDictionary, WeakSet
 
 import torch
@@ -18,15 +18,11 @@ from torch import nn
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
-from lightning_mixedfsdp.materialize.meta import built_dtypes, has_meta_tensors, materialize_sharded
-from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
+from lightning_mixedfsdp.mesh import ParallelizeFn, ParallelMeshes
 from lightning_mixedfsdp.model.names import canonical_name, is_within, unwrap_model, user_class_name
 from lightning_mixedfsdp.planning.planner import ShardPlan, plan_validated
 from lightning_mixedfsdp.planning.report import format_plan
-
-TModel = TypeVar("TModel", bound=nn.Module)
-ParallelizeFn = Callable[[TModel, Any], TModel]
-"""``fn(model, device_mesh) -> model``: the user's tensor parallelism or wrappers, run on the full mesh."""
 
 # every module set up by any mixed_fsdp2 strategy: its params are sharded and hooked, a second setup cannot work
 _SET_UP: "WeakSet[nn.Module]" = WeakSet()
@@ -60,9 +56,6 @@ def shard_model(
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk)
-    # a meta model is initialised in the dtypes it was built in (random draws depend on the dtype), except that
-    # keep-fp32 tensors are initialised in fp32 even when built under a bf16 default dtype (`init_module()`)
-    init_dtypes = {**built_dtypes(module), **dict.fromkeys(plan.fp32_names, torch.float32)} if on_meta else None
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.print_report:
         _on_rank_zero(lambda: print(format_plan(plan)))
@@ -80,7 +73,7 @@ def shard_model(
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:
         materialize_sharded(
-            module, units, device, initialise=config.init_meta_params, dtypes=init_dtypes, rng_state=rng_state
+            module, units, device, initialise=config.init_meta_params, dtypes=plan.init_dtypes, rng_state=rng_state
         )
     elif applied is not None:
         sync_replicas(applied, meshes)

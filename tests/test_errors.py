@@ -9,7 +9,7 @@ from torch import nn
 from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError, MixedFSDPPrecision, plan_sharding
 from lightning_mixedfsdp.apply.applier import apply_dtypes
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from lightning_mixedfsdp.mesh import build_parallel_meshes
+from lightning_mixedfsdp.mesh import ParallelDims, build_parallel_meshes
 
 
 def test_unknown_storage() -> None:
@@ -250,25 +250,21 @@ def test_expert_params_must_share_one_dtype() -> None:
 
 
 def test_expert_parallel_size_must_divide_the_data_parallel_ranks() -> None:
-    from lightning_mixedfsdp.mesh import check_expert_parallel_size
-
     with pytest.raises(
         ValueError,
         match=r"MixedFSDP2Strategy: expert_parallel_size=2 must divide the data-parallel shard ranks"
         r" \(data_parallel_size=3\).*use a divisor of it",
     ):
-        check_expert_parallel_size(2, 3, 1, "MixedFSDP2Strategy")
+        ParallelDims(replicate=1, shard=3, tensor_parallel=1, expert_parallel=2).validate(3, "MixedFSDP2Strategy")
 
 
 def test_expert_parallelism_with_tensor_parallelism_is_refused() -> None:
-    from lightning_mixedfsdp.mesh import check_expert_parallel_size
-
     with pytest.raises(
         ValueError,
         match=r"MixedFSDP2Strategy: expert_parallel_size=2 with tensor_parallel_size=2 is not supported; use"
         r" tensor_parallel_size=1 with expert parallelism",
     ):
-        check_expert_parallel_size(2, 2, 2, "MixedFSDP2Strategy")
+        ParallelDims(replicate=1, shard=2, tensor_parallel=2, expert_parallel=2).validate(4, "MixedFSDP2Strategy")
 
 
 def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
@@ -282,6 +278,6 @@ def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
     with pytest.raises(
         ValueError,
         match=r"mixed_fsdp2: the plan splits experts over 2 ranks, but the meshes hold no expert mesh. Pass"
-        r" `ParallelMeshes\(..., experts=build_expert_meshes\(...\)\)` to `shard_model`",
+        r" `shard_model` the meshes of `ParallelDims\(..., expert_parallel=E\).build_meshes\(...\)`",
     ):
         apply_plan(model, plan, meshes, torch.device("cpu"), lambda module, _: module)

@@ -91,8 +91,8 @@ def apply_plan(
         if meshes.experts is None:
             raise ValueError(
                 f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks, but the meshes hold no expert"
-                " mesh. Pass `ParallelMeshes(..., experts=build_expert_meshes(...))` to `shard_model` (the strategies"
-                " build it from their expert_parallel_size), or plan with expert_parallel_size=1."
+                " mesh. Pass `shard_model` the meshes of `ParallelDims(..., expert_parallel=E).build_meshes(...)` (the"
+                " strategies build them from their expert_parallel_size), or plan with expert_parallel_size=1."
             )
         apply_expert_parallel(model, plan.experts, meshes.experts.expert_parallel, meshes.experts.tensor_parallel)
     top_units = list(plan.outermost_units)
@@ -256,7 +256,7 @@ def apply_fully_shard(
     mesh = experts.fsdp if experts is not None else meshes.fsdp
     fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group), ignored_params=ignored)
     if experts is not None:
-        set_expert_reduction(modules[0], meshes.data_parallel.size(), experts.shard_size)
+        set_expert_reduction(modules[0], experts.gradient_divide_factor, experts.shard_size)
 
 
 def _already_sharded(model: nn.Module) -> bool:

@@ -20,19 +20,17 @@ def apply_expert_parallel(model: nn.Module, experts: ExpertPlan, ep_mesh: "Devic
     apply_expert_parallelism(model, {actual[name]: style for name, style in experts.plan.items()}, ep_mesh, tp_mesh)
 
 
-def set_expert_reduction(module: nn.Module, data_parallel_size: int, expert_shard_size: int) -> None:
-    """Expert grads averaged over every data-parallel rank, like dense grads.
+def set_expert_reduction(module: nn.Module, divide_factor: float, expert_shard_size: int) -> None:
+    """Expert grads averaged over every data-parallel rank, like dense grads: ``divide_factor`` is
+    ``ExpertMeshes.gradient_divide_factor``, not FSDP's default (its own group size).
 
-    An expert's grad on one rank already sums the tokens of all ``E`` ranks of its EP group (the all-to-all's
-    backward brings them back); FSDP's reduce over the ``data_parallel_size / E`` ranks holding the same experts sums
-    the rest. So the divide factor is ``data_parallel_size``, not FSDP's default (its own group size). FSDP applies a
-    custom factor with PREMUL_SUM, which gloo lacks and NCCL gets wrong in bf16 (pytorch#190745, fixed by #190747):
-    sum and divide locally instead, but only when there is a reduce-scatter (``expert_shard_size > 1``); without one
-    FSDP divides in its copy already, and a forced sum would divide twice.
+    FSDP applies a custom factor with PREMUL_SUM, which gloo lacks and NCCL gets wrong in bf16 (pytorch#190745, fixed
+    by #190747): sum and divide locally instead, but only when there is a reduce-scatter (``expert_shard_size > 1``);
+    without one FSDP divides in its copy already, and a forced sum would divide twice.
     """
     from torch.distributed.fsdp import FSDPModule
 
     assert isinstance(module, FSDPModule)
-    module.set_gradient_divide_factor(float(data_parallel_size))
+    module.set_gradient_divide_factor(divide_factor)
     if expert_shard_size > 1:
         module.set_force_sum_reduction_for_comms(True)

@@ -6,8 +6,9 @@ Lightning's own ``save_checkpoint`` does; and a kill at any moment leaves the pr
 """
 
 import os
+import uuid
 from pathlib import Path
-from typing import List, Union
+from typing import Any, Callable, List, Union
 
 PathLike = Union[str, Path]
 """What Lightning's own checkpoint paths accept (``lightning.fabric.utilities.types._PATH``)."""
@@ -18,6 +19,46 @@ LIGHTNING_METADATA_FILENAME = "meta.pt"
 2.6's ``_METADATA_FILENAME``; ``strategies/lightning_compat.py`` reads Lightning's, a test checks they agree)."""
 _CHECKPOINT_FILE_NAMES = (DCP_METADATA, LIGHTNING_METADATA_FILENAME)
 _CHECKPOINT_FILE_SUFFIXES = (".distcp",)
+
+
+def save_atomically(
+    path: PathLike,
+    write: Callable[[Path], None],
+    single_file: bool,
+    broadcast: Callable[[Any], Any],
+    barrier: Callable[[], None],
+    is_rank_zero: bool,
+    owner: str,
+) -> None:
+    """Write a save with ``write`` beside ``path`` on every rank, then commit it by rename on rank 0: a kill leaves a
+    whole checkpoint, and the user's files in an existing folder stay. ``broadcast`` and ``barrier`` are the
+    strategy's collectives; ``single_file`` is a save that replaces ``path`` with one file (not a sharded folder)."""
+    path = Path(broadcast(path))
+    if path.is_dir() and single_file:
+        if not is_sharded_checkpoint(path):
+            raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+        foreign = foreign_entries(path)
+        if foreign:
+            raise IsADirectoryError(
+                f"{owner}: replacing the sharded checkpoint {str(path)!r} with a single file would remove files it"
+                f" did not write: {[e.name for e in foreign[:5]]}. Move them out, or save to another path."
+            )
+    token = broadcast(uuid.uuid4().hex[:12])
+    temp = temp_sibling(path, token)
+    write(temp)
+    barrier()
+    if is_rank_zero:
+        commit(temp, path, token)
+    barrier()
+
+
+def recovered(path: PathLike, broadcast: Callable[[Any], Any], barrier: Callable[[], None], is_rank_zero: bool) -> Path:
+    """``path`` (rank 0's), with an interrupted commit finished first (the previous checkpoint put back if needed)."""
+    path = Path(broadcast(path))
+    if is_rank_zero:
+        recover(path)
+    barrier()
+    return path
 
 
 def is_sharded_checkpoint(path: Path) -> bool:

@@ -39,15 +39,15 @@ def load_weights(
     from lightning_mixedfsdp.planning.planner import plan_validated
 
     config = (config or MixedFSDPConfig()).validate()
-    plan = plan_validated(model, config, BulkDtypes(dtype, dtype, dtype))
+    plan = plan_validated(model, config, BulkDtypes.uniform(dtype))
     state = read_state_dict(source) if isinstance(source, (str, Path)) else dict(source)
     ties = tied_names(model)
     state = _untied_state(state, ties)
-    planned = {name: p.key.storage for name, p in plan.params.items()}
-    planned.update({name: b.dtype for name, b in plan.buffers.items()})
+    planned = plan.storage_dtypes
     for alias, own in ties.items():
         planned[alias] = planned[own]
-    cast = {n: t.to(planned.get(n, dtype)) if t.is_floating_point() else t for n, t in state.items()}
+    # a name the plan lacks is no tensor of the model: the strict load below refuses it by name
+    cast = {n: t.to(planned[n]) if t.is_floating_point() and n in planned else t for n, t in state.items()}
     model.load_state_dict(cast, strict=True, assign=True)
     tie_again(model, ties)
     apply_dtype_boundaries(model, plan)

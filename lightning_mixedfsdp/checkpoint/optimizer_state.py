@@ -34,6 +34,24 @@ Region = Tuple[Tuple[int, ...], Tuple[int, ...]]
 AbsentState = Dict[str, Dict[str, List[Region]]]
 
 
+class AbsentStateRecord:
+    """Where stand-in states were made for the checkpoint being saved, carried from the hook that makes them to the
+    one that writes the file. The Trainer calls ``Strategy.optimizer_state`` once per optimizer while it assembles a
+    checkpoint (``_CheckpointConnector.dump_checkpoint``), then ``Strategy.save_checkpoint`` with the result: the
+    first hook :meth:`add`\ s, the second :meth:`take`\ s what to save under ``ABSENT_STATE_KEY``."""
+
+    def __init__(self) -> None:
+        self._pending: AbsentState = {}
+
+    def add(self, absent: AbsentState) -> None:
+        self._pending.update(absent)
+
+    def take(self) -> AbsentState:
+        """What was added since the last take (empty: no stand-in), forgotten here."""
+        pending, self._pending = self._pending, {}
+        return pending
+
+
 @contextmanager
 def standing_in_for_state_ranks_lack(module: nn.Module, optimizers: Mapping[str, Optimizer]) -> Iterator[AbsentState]:
     """Around a save of ``optimizers`` (by key) on every rank: where some ranks hold state for a param and others do

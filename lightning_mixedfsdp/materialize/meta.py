@@ -50,7 +50,6 @@ from lightning_mixedfsdp.model.names import (
     is_hf_model,
     is_within,
     join_name,
-    named_tensors,
     user_class,
     user_class_name,
 )
@@ -64,11 +63,6 @@ InitStep = Tuple[str, nn.Module, Init]
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-def built_dtypes(module: nn.Module) -> Dict[str, torch.dtype]:
-    """Every param's and buffer's dtype as the model was built, by canonical name: the dtypes its init runs in."""
-    return {name: tensor.dtype for name, tensor in named_tensors(module)}
 
 
 def init_order(model: nn.Module) -> List[InitStep]:

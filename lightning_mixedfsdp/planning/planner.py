@@ -120,6 +120,7 @@ def plan_model(
             group=group_of[name],
             replicated=group_by_name[group_of[name]].replicated,
             rule=matches.rule_of.get(name),
+            init_dtype=torch.float32 if name in matches else p.dtype,
         )
         for name, p in params.items()
     }
@@ -214,7 +215,22 @@ def _plan_buffer(
     constructed: Optional[torch.dtype] = None,
 ) -> BufferPlan:
     """Precedence: a keep-fp32 rule > fully frozen modules in the compute dtype > ``cast_buffers`` > the dtype HF's
-    construction under the compute dtype gives it (``construction.py``) > as built."""
+    construction under the compute dtype gives it (``construction.py``) > as built. A buffer planned in fp32 is
+    initialised in fp32; any other as built."""
+    planned = _buffer_dtype(name, buffer, matches, in_frozen_module, bulk, cast_buffers, constructed)
+    init_dtype = torch.float32 if planned.dtype == torch.float32 else buffer.dtype
+    return replace(planned, init_dtype=init_dtype)
+
+
+def _buffer_dtype(
+    name: str,
+    buffer: torch.Tensor,
+    matches: KeepFp32Matches,
+    in_frozen_module: bool,
+    bulk: BulkDtypes,
+    cast_buffers: bool,
+    constructed: Optional[torch.dtype],
+) -> BufferPlan:
     shape = tuple(buffer.shape)
     if name in matches:
         return BufferPlan(name, shape, torch.float32, BufferSource.KEEP_FP32, matches.rule_of[name])

@@ -5,7 +5,7 @@ they are applied. Plain frozen dataclasses and enums; the planner (``planner.py`
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -82,6 +82,9 @@ class ParamPlan:
     replicated: bool
     rule: Optional[KeepRule]
     """The keep-fp32 rule that pinned the param to fp32, if one did."""
+    init_dtype: Optional[torch.dtype] = None
+    """The dtype its init runs in when the model was built on the meta device: as built (random draws depend on the
+    dtype), fp32 when a keep-fp32 rule pins it even if it was built under a bf16 default dtype (``init_module()``)."""
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +100,8 @@ class BufferPlan:
     """What set the dtype."""
     rule: Optional[KeepRule] = None
     """The keep-fp32 rule, when ``source`` is :attr:`BufferSource.KEEP_FP32`."""
+    init_dtype: Optional[torch.dtype] = None
+    """The dtype its init runs in for a model built on the meta device (see :attr:`ParamPlan.init_dtype`)."""
 
     @property
     def set_by(self) -> str:
@@ -154,6 +159,19 @@ class ShardPlan:
         layout = {name: (p.shape, p.key.storage) for name, p in self.params.items()}
         layout.update({n: (b.shape, b.dtype) for n, b in self.buffers.items() if n not in self.non_persistent_buffers})
         return layout
+
+    @property
+    def storage_dtypes(self) -> Dict[str, torch.dtype]:
+        """Every param's and floating buffer's planned dtype by canonical name: what a load casts each tensor to."""
+        dtypes = {name: p.key.storage for name, p in self.params.items()}
+        dtypes.update({name: b.dtype for name, b in self.buffers.items()})
+        return dtypes
+
+    @property
+    def init_dtypes(self) -> Dict[str, torch.dtype]:
+        """Every param's and floating buffer's init dtype by canonical name, for a model built on the meta device."""
+        tensors: List[Any] = [*self.params.values(), *self.buffers.values()]
+        return {t.name: t.init_dtype for t in tensors if t.init_dtype is not None}
 
     @property
     def fp32_names(self) -> Tuple[str, ...]:

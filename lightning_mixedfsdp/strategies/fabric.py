@@ -15,9 +15,10 @@ from typing_extensions import override
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY
-from lightning_mixedfsdp.pipeline import ParallelizeFn, ShardedModels
+from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
+from lightning_mixedfsdp.pipeline import ShardedModels
 from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl, has_dtensor_modules
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
 

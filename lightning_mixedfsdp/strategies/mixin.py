@@ -2,11 +2,9 @@
 HSDP), handing a module to the pipeline, atomic checkpoints and export. Nothing here shards: the torch-only pipeline
 (``pipeline.py``) does; these are the adapters that let Lightning drive it."""
 
-import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Literal, Mapping, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
 from weakref import WeakSet
 
 import torch
@@ -14,14 +12,7 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mixedfsdp.checkpoint.atomic import (
-    PathLike,
-    commit,
-    foreign_entries,
-    is_sharded_checkpoint,
-    recover,
-    temp_sibling,
-)
+from lightning_mixedfsdp.checkpoint.atomic import PathLike, recovered, save_atomically
 from lightning_mixedfsdp.checkpoint.export import export_adapter, export_model
 from lightning_mixedfsdp.checkpoint.optimizer_state import (
     AbsentState,
@@ -29,71 +20,15 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
     standing_in_for_state_ranks_lack,
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.mesh import (
-    TENSOR_PARALLEL,
-    ParallelMeshes,
-    build_expert_meshes,
-    build_parallel_meshes,
-    check_expert_parallel_size,
-    check_mesh_product,
-    meshes_of_2d,
-)
-from lightning_mixedfsdp.pipeline import ParallelizeFn, ShardedModels, mixed_dtype_fsdp_groups, shard_model
+from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, check_sizes
+from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.planner import ShardPlan
-from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
+from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision, TPlugin, adopt_precision, plugin_or_default
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
 STRATEGY_NAME = "mixed_fsdp2"
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
-MeshSize = Union[Literal["auto"], int]
-TPlugin = TypeVar("TPlugin", bound=MixedFSDPPrecision)
-
-
-def make_config(config: ConfigInput, fields: Dict[str, Any], owner: str) -> MixedFSDPConfig:
-    """Merge a config object (or mapping, e.g. an OmegaConf block) with keyword fields; validate once."""
-    if config is not None and not isinstance(config, (MixedFSDPConfig, Mapping)):
-        raise TypeError(f"{owner}(config={config!r}) must be a MixedFSDPConfig or a mapping of its fields.")
-    base = dict(config) if isinstance(config, Mapping) else asdict(config or MixedFSDPConfig())
-    if fields.get("wrap_units") == "auto":
-        fields = {**fields, "wrap_units": None}
-    return MixedFSDPConfig.from_kwargs(**{**base, **fields}).validate()
-
-
-def adopt_precision(
-    plugin: Any,
-    config: MixedFSDPConfig,
-    owner: str,
-    plugin_class: Type[TPlugin],
-    translatable: Tuple[type, ...],
-) -> Optional[TPlugin]:
-    """``plugin_class`` for the plugin's precision flag, with the bulk dtypes resolved from ``config``.
-
-    Lightning's plugins built from a flag (exactly the ``translatable`` classes) are translated, and a
-    :class:`MixedFSDPPrecision` passed by the user is rebuilt, so plugin and plan can never disagree; any other
-    plugin is refused. The flag is checked once, where the bulk dtypes are resolved.
-    """
-    if plugin is None:
-        return None
-    flag = getattr(plugin, "precision", None)
-    if not isinstance(plugin, MixedFSDPPrecision) and type(plugin) not in translatable:
-        raise ValueError(
-            f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r}). Pass a"
-            " precision flag instead of a custom plugin."
-        )
-    return plugin_class(flag, config.bulk_dtypes(str(flag), owner))  # type: ignore[arg-type]
-
-
-def check_mesh_sizes(owner: str, data_parallel_size: Any, replicate_size: Any, tensor_parallel_size: Any) -> None:
-    """Sizes that can never be right, refused at construction (Lightning's own checks come at launch)."""
-    problems = []
-    for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-        if value != "auto" and not (isinstance(value, int) and value >= 1):
-            problems.append(f"{name}={value!r} must be 'auto' or an int >= 1")
-    if not (isinstance(replicate_size, int) and replicate_size >= 1):
-        problems.append(f"data_parallel_replicate_size={replicate_size!r} must be an int >= 1")
-    if problems:
-        raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
 
 
 def refuse_fsdp1_modules(module: nn.Module, owner: str) -> None:
@@ -133,8 +68,8 @@ class MixedFSDP2Mixin:
         self, config: ConfigInput, fields: Dict[str, Any], data_parallel: Any, replicate: int, tensor_parallel: Any
     ) -> None:
         """Before Lightning's ``__init__``, which already calls the precision setter that needs the config."""
-        self._config = make_config(config, fields, type(self).__name__)
-        check_mesh_sizes(type(self).__name__, data_parallel, replicate, tensor_parallel)
+        self._config = MixedFSDPConfig.from_input(config, fields, type(self).__name__)
+        check_sizes(data_parallel, replicate, tensor_parallel, type(self).__name__)
         self._replicate_size = replicate
         self._meshes = None
         self._sharded = ShardedModels()
@@ -152,11 +87,8 @@ class MixedFSDP2Mixin:
             )
 
     def _plugin_or_default(self, plugin: Optional[Precision], plugin_class: Type[TPlugin]) -> TPlugin:
-        """The adopted plugin; Lightning's default flag, ``"32-true"``, before the connector hands one over."""
-        if plugin is None:
-            return plugin_class("32-true", self._config.bulk_dtypes("32-true"))
-        assert isinstance(plugin, plugin_class)  # the precision setter adopted it
-        return plugin
+        assert plugin is None or isinstance(plugin, MixedFSDPPrecision)
+        return plugin_or_default(plugin, self._config, plugin_class)
 
     def _adopted(self, plugin: Any, plugin_class: Type[TPlugin], translatable: Tuple[type, ...]) -> Optional[TPlugin]:
         return adopt_precision(plugin, self._config, type(self).__name__, plugin_class, translatable)
@@ -178,45 +110,23 @@ class MixedFSDP2Mixin:
 
     def setup_environment(self) -> None:
         """Lightning's own: device, process group, and its 2-D ``("data_parallel", "tensor_parallel")`` mesh with its
-        checks, for sizes resolved here first; HSDP then builds the replicate x shard x tensor-parallel mesh."""
-        shard, tensor_parallel = self._resolved_sizes()
-        if self._replicate_size > 1:  # Lightning's own check sees only replicate x shard
-            world = self.num_nodes * self.num_processes
-            check_mesh_product(self._replicate_size, shard, tensor_parallel, world, type(self).__name__)
-        experts = self._config.expert_parallel_size
-        if experts > 1:
-            check_expert_parallel_size(experts, shard, tensor_parallel, type(self).__name__)
-        self._data_parallel_size = self._replicate_size * shard
-        self._tensor_parallel_size = tensor_parallel
+        checks, for sizes :class:`~lightning_mixedfsdp.mesh.ParallelDims` resolved and validated first; HSDP and
+        expert parallelism then build their meshes from the same dims."""
+        dims = ParallelDims.resolve(
+            self.num_nodes * self.num_processes,
+            self.num_processes,
+            self._data_parallel_size,
+            self._replicate_size,
+            self._tensor_parallel_size,
+            self._config.expert_parallel_size,
+            type(self).__name__,
+        )
+        # Lightning's own strategy sees replicate x shard as its data-parallel size
+        self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel, dims.tensor_parallel
         super().setup_environment()  # type: ignore[misc]
         destroy_process_group_at_exit()
-        if self._replicate_size == 1:
-            self._meshes = meshes_of_2d(self._device_mesh)
-        else:
-            self._meshes = build_parallel_meshes(
-                self.root_device.type,
-                self._replicate_size,
-                shard,
-                tensor_parallel,
-                self.world_size,
-                type(self).__name__,
-            )
-            self._device_mesh = self._meshes.root
-        if experts > 1:
-            expert_meshes = build_expert_meshes(
-                self.root_device.type, self._replicate_size, shard, experts, self._meshes.root[TENSOR_PARALLEL]
-            )
-            self._meshes = replace(self._meshes, experts=expert_meshes)
-
-    def _resolved_sizes(self) -> Tuple[int, int]:
-        """(shard, tensor parallel). ``tensor_parallel_size="auto"`` is the devices of a node, as in Lightning;
-        ``data_parallel_size="auto"`` takes every rank the others leave (Lightning's: the number of nodes, which is
-        the same when tensor parallelism is ``"auto"``)."""
-        world = self.num_nodes * self.num_processes
-        tensor_parallel = self.num_processes if self._tensor_parallel_size == "auto" else self._tensor_parallel_size
-        if self._data_parallel_size != "auto":
-            return int(self._data_parallel_size), int(tensor_parallel)
-        return max(world // (self._replicate_size * int(tensor_parallel)), 1), int(tensor_parallel)
+        self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
+        self._device_mesh = self._meshes.root
 
     def _shard(
         self, module: nn.Module, precision: MixedFSDPPrecision, parallelize: Optional[ParallelizeFn]
@@ -287,34 +197,12 @@ class MixedFSDP2Mixin:
         return export_adapter(module, directory)
 
     def _save_atomically(self, path: PathLike, write: Callable[[Path], None]) -> None:
-        """Write with ``write`` beside ``path``, then commit by rename on rank 0: a kill leaves a whole checkpoint, and
-        the user's files in an existing folder stay."""
-        path = Path(self.broadcast(path))
-        if path.is_dir() and not self._save_distributed_checkpoint:
-            if not is_sharded_checkpoint(path):
-                raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
-            foreign = foreign_entries(path)
-            if foreign:
-                raise IsADirectoryError(
-                    f"{type(self).__name__}: replacing the sharded checkpoint {str(path)!r} with a single file would"
-                    f" remove files it did not write: {[e.name for e in foreign[:5]]}. Move them out, or save to"
-                    " another path."
-                )
-        token = self.broadcast(uuid.uuid4().hex[:12])
-        temp = temp_sibling(path, token)
-        write(temp)
-        self.barrier()
-        if self.global_rank == 0:
-            commit(temp, path, token)
-        self.barrier()
+        single_file = not self._save_distributed_checkpoint
+        rank_zero = self.global_rank == 0
+        save_atomically(path, write, single_file, self.broadcast, self.barrier, rank_zero, type(self).__name__)
 
     def _recovered(self, path: PathLike) -> Path:
-        """``path``, with an interrupted commit finished first (the previous checkpoint put back if needed)."""
-        path = Path(self.broadcast(path))
-        if self.global_rank == 0:
-            recover(path)
-        self.barrier()
-        return path
+        return recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
 
     @contextmanager
     def _loading_optimizers(

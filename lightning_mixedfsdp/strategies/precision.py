@@ -2,7 +2,7 @@
 tensor's storage: the dtype plan does (``planning/planner.py``)."""
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional, Tuple, Type, TypeVar
 
 import torch
 from lightning.fabric.plugins.precision.precision import Precision
@@ -36,11 +36,8 @@ class MixedFSDPPrecision(Precision):
 
     @override
     def tensor_init_context(self) -> ContextManager:
-        # like Lightning's bf16-true: `init_module()` builds params in the bulk storage dtype, the dtype the plan
-        # gives them (keep-fp32 params are cast up by the plan; HF's `from_config(dtype=bf16)` does the same)
-        if self.bulk.storage == torch.bfloat16:
-            return _default_dtype(torch.bfloat16)
-        return nullcontext()
+        init_dtype = self.bulk.init_dtype
+        return _default_dtype(init_dtype) if init_dtype is not None else nullcontext()
 
     @override
     def module_init_context(self) -> ContextManager:
@@ -68,6 +65,43 @@ class MixedFSDPPrecision(Precision):
     @override
     def convert_output(self, data: Any) -> Any:
         return data if self.bulk.compute is None else cast_floating(data, torch.get_default_dtype())
+
+
+TPlugin = TypeVar("TPlugin", bound=MixedFSDPPrecision)
+
+
+def adopt_precision(
+    plugin: Any,
+    config: MixedFSDPConfig,
+    owner: str,
+    plugin_class: Type[TPlugin],
+    translatable: Tuple[type, ...],
+) -> Optional[TPlugin]:
+    """``plugin_class`` for the plugin's precision flag, with the bulk dtypes resolved from ``config``.
+
+    Lightning's plugins built from a flag (exactly the ``translatable`` classes) are translated, and a
+    :class:`MixedFSDPPrecision` passed by the user is rebuilt, so plugin and plan can never disagree; any other
+    plugin is refused. The flag is checked once, where the bulk dtypes are resolved.
+    """
+    if plugin is None:
+        return None
+    flag = getattr(plugin, "precision", None)
+    if not isinstance(plugin, MixedFSDPPrecision) and type(plugin) not in translatable:
+        raise ValueError(
+            f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r}). Pass a"
+            " precision flag instead of a custom plugin."
+        )
+    return plugin_class(flag, config.bulk_dtypes(str(flag), owner))  # type: ignore[arg-type]
+
+
+def plugin_or_default(
+    plugin: Optional[MixedFSDPPrecision], config: MixedFSDPConfig, plugin_class: Type[TPlugin]
+) -> TPlugin:
+    """The adopted plugin; Lightning's default flag, ``"32-true"``, before the connector hands one over."""
+    if plugin is None:
+        return plugin_class("32-true", config.bulk_dtypes("32-true"))
+    assert isinstance(plugin, plugin_class)  # the precision setter adopted it
+    return plugin
 
 
 @contextmanager

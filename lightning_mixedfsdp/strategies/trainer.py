@@ -14,9 +14,10 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
-from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentState
+from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentStateRecord
+from lightning_mixedfsdp.mesh import MeshSize
 from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MeshSize, MixedFSDP2Mixin, refuse_fsdp1_modules
+from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, refuse_fsdp1_modules
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
 
@@ -61,7 +62,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._absent_state: AbsentState = {}  # what optimizer_state stood in for, for the save that follows
+        self._absent_state = AbsentStateRecord()
 
     @property
     @override
@@ -139,7 +140,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         with self._saving_optimizers(self.lightning_module, {key: inner}) as absent:
             state = super().optimizer_state(optimizer)
-        self._absent_state.update(absent)
+        self._absent_state.add(absent)
         return state
 
     @override
@@ -149,7 +150,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(checkpoint, filepath, storage_options=storage_options)
-        absent, self._absent_state = self._absent_state, {}
+        absent = self._absent_state.take()
         to_save = {**checkpoint, ABSENT_STATE_KEY: absent} if absent else checkpoint
         self._save_atomically(filepath, lambda temp: write(to_save, temp))
 
