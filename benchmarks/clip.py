@@ -20,8 +20,8 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from tests.launch import run_distributed
 
 
 def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) -> Dict[str, Any]:
@@ -45,16 +45,19 @@ def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) ->
     }
     sync = synchronize(kind)
     times: Dict[str, list] = {name: [] for name in runs}
+    norms: Dict[str, float] = {}
     for _ in range(repeats + 2):
         for name, clip in runs.items():
             sync()
             start = time.perf_counter()
-            clip()
+            norm = clip()
             sync()
             times[name].append(time.perf_counter() - start)
+            norms[name] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     return {
         "params": {"uniform": sum(1 for _ in uniform.parameters()), "mixed": sum(1 for _ in mixed.parameters())},
         "ms": {name: statistics.median(values[2:]) * 1e3 for name, values in times.items()},
+        "norms": norms,
     }
 
 
@@ -69,10 +72,10 @@ def main(argv: Any = None) -> Dict[str, Any]:
     reference = result["ms"]["torch clip_grad_norm_, uniform bf16 FSDP2"]
     params = result["params"]
     print(f"device: {kind}, 2 ranks, {params['uniform']} params (uniform), {params['mixed']} (mixed)")
-    print("| clipping | median ms | vs torch |")
-    print("|---|---|---|")
+    print("| clipping | median ms | vs torch | total grad norm |")
+    print("|---|---|---|---|")
     for name, ms in result["ms"].items():
-        print(f"| {name} | {ms:.2f} | {ms / reference:.2f}x |")
+        print(f"| {name} | {ms:.2f} | {ms / reference:.2f}x | {result['norms'][name]:.6g} |")
     return result
 
 

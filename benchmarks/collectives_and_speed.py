@@ -26,8 +26,8 @@ from benchmarks.common import (
     training_state_bytes,
 )
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
-from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig, causal_lm_loss
+from tests.launch import run_distributed
 
 
 def measure(

@@ -25,8 +25,8 @@ from benchmarks.common import device_type, init_process_group, synchronize, trai
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from tests.launch import run_distributed
 
 MODES = {
     "plain": {},

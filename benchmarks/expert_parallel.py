@@ -25,7 +25,7 @@ from benchmarks.common import device_type, init_process_group, local_bytes, sync
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.launch import run_distributed
+from tests.launch import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROUTERS = [r"mlp\.gate\.weight$"]

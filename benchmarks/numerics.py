@@ -20,9 +20,9 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
-from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.lm import warmup_cosine
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from tests.launch import run_distributed
 
 RUNS = {
     "fp32": ("32-true", {}, "full fp32"),

@@ -13,10 +13,11 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+from lightning_mixedfsdp._torch_compat import fsdp_param_groups
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.launch import run_distributed
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from tests.launch import run_distributed
 
 
 def model_config(layers: int) -> TinyLlamaConfig:
@@ -33,7 +34,13 @@ def plan_seconds(layers: int, repeats: int) -> Dict[str, float]:
         start = time.perf_counter()
         plan = plan_sharding(model, MixedFSDPConfig(), precision="bf16-true")
         times.append(time.perf_counter() - start)
-    return {"plan_s": statistics.median(times), "params": len(plan.params), "groups": len(plan.groups)}
+    return {
+        "plan_s": statistics.median(times),
+        "params": len(plan.params),
+        "groups": len(plan.groups),
+        "planned_sharded_groups": len(plan.sharded_groups),
+        "planned_replicated_params": len(plan.replicated_params),
+    }
 
 
 def shard_seconds(rank: int, world_size: int, layers: int, repeats: int, kind: str) -> Dict[str, float]:
@@ -54,7 +61,21 @@ def shard_seconds(rank: int, world_size: int, layers: int, repeats: int, kind: s
         causal_lm_loss(model(tokens), tokens).backward()  # includes FSDP's lazy initialisation
         sync()
         first_step_times.append(time.perf_counter() - start)
-    return {"shard_s": statistics.median(shard_times), "first_step_s": statistics.median(first_step_times)}
+    return {
+        "shard_s": statistics.median(shard_times),
+        "first_step_s": statistics.median(first_step_times),
+        **applied_groups(model),
+    }
+
+
+def applied_groups(model: torch.nn.Module) -> Dict[str, int]:
+    """What the timed set-up made: FSDP param groups (a list-form ``fully_shard`` makes one) and replicated params."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    groups = {id(g) for m in model.modules() if isinstance(m, FSDPModule) for g in fsdp_param_groups(m)}
+    replicated = [p for p in model.parameters() if isinstance(p, DTensor) and p.placements[0].is_replicate()]
+    return {"fsdp_groups": len(groups), "replicated_params": len(replicated)}
 
 
 def main(argv: Any = None) -> Dict[str, Any]:

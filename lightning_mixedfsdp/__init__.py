@@ -5,6 +5,7 @@ is installed. The torch-only layers (config, model, planning, mesh, apply, mater
 without it.
 """
 
+import logging
 from typing import Any
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_, total_grad_norm
@@ -14,6 +15,16 @@ from lightning_mixedfsdp.planning.matching import find_keep_fp32_params
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
 from lightning_mixedfsdp.planning.types import DtypeKey, ShardGroup, ShardPlan
+
+
+def _log_to_stderr() -> None:
+    # what the library tells users (the dtype report of print_report=True) goes through the "lightning_mixedfsdp"
+    # logger; as Lightning does for its own, it prints at INFO unless the application configured logging itself
+    logger = logging.getLogger(__name__)
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
 
 
 def _register() -> None:
@@ -39,6 +50,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+_log_to_stderr()
 _register()
 
 __all__ = [

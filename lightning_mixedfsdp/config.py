@@ -133,7 +133,8 @@ class MixedFSDPConfig:
     after it and leaves the process unable to use the GPU (restart from the last checkpoint). On a CPU both raise."""
 
     print_report: bool = False
-    """Print the dtype report on rank 0 when a model is set up."""
+    """Log the dtype report on rank 0 when a model is set up (the ``lightning_mixedfsdp`` logger, INFO; it prints to
+    stderr unless your application configured logging)."""
 
     expert_parallel_size: int = 1
     """Expert parallelism: each MoE layer's experts split over this many ranks (mesh dim ``expert_parallel``), each

@@ -6,6 +6,7 @@ buffers rebuilt for a load that follows) -> replicas made identical on every dat
 dtype-leak check. It imports nothing from Lightning: the strategies, the recipes and the benchmarks all call it.
 """
 
+import logging
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from lightning_mixedfsdp.mesh import ParallelizeFn, ParallelMeshes
 from lightning_mixedfsdp.model.names import canonical_name, is_within, unwrap_model, user_class_name
 from lightning_mixedfsdp.planning.planner import ShardPlan, plan_validated
 from lightning_mixedfsdp.planning.report import format_plan
+
+log = logging.getLogger(__name__)
 
 # every module set up by any mixed_fsdp2 strategy: its params are sharded and hooked, a second setup cannot work
 _SET_UP: "WeakSet[nn.Module]" = WeakSet()
@@ -58,7 +61,7 @@ def shard_model(
     plan = plan_validated(module, config, bulk)
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.print_report:
-        _on_rank_zero(lambda: print(format_plan(plan)))
+        _on_rank_zero(lambda: log.info(format_plan(plan)))
     module, applied = apply_plan(
         module,
         plan,

@@ -1,10 +1,10 @@
-"""The multi-process harness (the launcher lives in the package, benchmarks use it too) and the device tests run on."""
+"""The multi-process harness (`tests/launch.py`, which the benchmarks use too) and the device tests run on."""
 
 import os
 
 import torch
 
-from lightning_mixedfsdp.recipes.launch import run_distributed
+from tests.launch import run_distributed
 
 ACCELERATOR_ENV = "MIXED_FSDP_TEST_ACCELERATOR"
 

@@ -55,7 +55,7 @@ class Net(nn.Module):
 
 torch.manual_seed(0)
 model = Net()
-config = MixedFSDPConfig()
+config = MixedFSDPConfig(print_report=True)
 sharded = shard_model(model, config, config.bulk_dtypes("bf16-true"), build_parallel_meshes("cpu", 1, 1, 1, 1),
                       torch.device("cpu"))
 optimizer = torch.optim.AdamW(sharded.module.parameters(), lr=1e-2)
@@ -88,3 +88,5 @@ def test_the_torch_only_layers_plan_shard_and_train_without_lightning() -> None:
     # the LayerNorms stay fp32 beside the bf16 Linears: the plan was applied
     assert lines["DTYPES"] == str(sorted({("norm", "torch.float32"), ("proj", "torch.bfloat16")}))
     assert lines["REPORT"].startswith("mixed_fsdp2 dtype plan: 8 params")
+    # print_report=True: the report through the package's logger, on stderr as no logging was configured
+    assert "mixed_fsdp2 dtype plan: 8 params" in done.stderr and "blocks.*.norm.weight" in done.stderr

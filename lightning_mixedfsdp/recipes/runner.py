@@ -12,6 +12,7 @@ a second one aborts at once.
 """
 
 import argparse
+import importlib.util
 import re
 import shlex
 import sys
@@ -213,6 +214,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.overrides.append(args.resume)  # `--resume trainer.max_steps=60`: --resume's value is optional
         args.resume = "last"
     quiet_known_warnings()
+    missing = [name for name in RECIPE_PACKAGES if not _installed(name)]
+    if missing and not args.dry_run:
+        print(
+            f"error: the recipe runner needs {', '.join(missing)}, which the `recipes` extra installs:"
+            " pip install 'lightning-mixedfsdp[recipes]' (or `pip install -e \".[recipes]\"` in a clone)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     try:
         recipe = load_recipe(args.config, args.overrides, launching=not args.dry_run)
     except RecipeError as error:
@@ -233,6 +242,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     outcome = run(recipe, checkpoint, command)
     if outcome.stopped_by is not None:
         raise SystemExit(outcome.stopped_by.exit_code)
+
+
+RECIPE_PACKAGES = ("matplotlib",)
+"""What the runner needs beyond the library (the run's plot): the ``recipes`` extra."""
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module blocked as None in sys.modules, or a broken package
+        return False
 
 
 def _looks_like_override(value: str) -> bool:

@@ -244,6 +244,51 @@ def _default_mesh(rank: int, world_size: int) -> Any:
     return fabric.strategy.device_mesh.mesh_dim_names, tuple(fabric.strategy.device_mesh.shape)
 
 
+class NormedFeedForward(nn.Module):
+    """Lightning's test model behind an fp32 LayerNorm: the norm is replicated, the Linears FSDP-sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.feed_forward = FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.norm(x))
+
+
+def _clip_by_norm(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
+    from lightning.fabric import Fabric
+    from torch.distributed.tensor import DTensor
+
+    fabric = Fabric(accelerator="cpu", devices=2, precision=precision, strategy=FabricStrategy())
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = fabric.setup(NormedFeedForward())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.1))
+    fabric.backward(model(torch.rand(4, 32, device=fabric.device)).sum())
+
+    def norm() -> float:
+        grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        return torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads])).item()
+
+    before = norm()
+    returned = fabric.clip_gradients(model, optimizer, max_norm=before / 10).item()
+    placements = {type(p).__name__ + str(getattr(p, "placements", "")) for p in model.parameters()}
+    return {"before": before, "returned": returned, "after": norm(), "placements": placements}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_clip_gradients_by_norm_reaches_the_requested_norm_over_mixed_placements(precision: str) -> None:
+    for result in run_distributed(_clip_by_norm, 2, precision):
+        # under the bf16 flags the fp32 LayerNorm is a replicated group beside the sharded bf16 Linears
+        mixed = {"DTensor(Shard(dim=0),)", "DTensor(Replicate(),)"}
+        assert result["placements"] == ({"DTensor(Shard(dim=0),)"} if precision == "32-true" else mixed)
+        assert result["returned"] == pytest.approx(result["before"], rel=1e-5)  # the norm before clipping
+        # a tenth of the norm, up to the grads' own rounding (bf16-true stores bf16 grads)
+        tolerance = 1e-2 if precision == "bf16-true" else 1e-5
+        assert result["after"] == pytest.approx(result["before"] / 10, rel=tolerance)
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     return run_distributed(_one_rank, 1, str(tmp_path_factory.mktemp("differences")), timeout=240)[0]

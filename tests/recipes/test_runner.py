@@ -392,3 +392,18 @@ def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tm
     ids = tokenizer(text)["input_ids"]
     assert len(tokenizer) == 256 and ids == list(text.encode("utf-8"))
     assert tokenizer.decode(ids) == text
+
+
+def test_the_runner_without_the_recipes_extra_says_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, f"output.dir={tmp_path}"])
+    assert exit_info.value.code == 2
+    assert "needs matplotlib, which the `recipes` extra installs: pip install 'lightning-mixedfsdp[recipes]'" in (
+        capsys.readouterr().err
+    )
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -1,4 +1,4 @@
-"""Run a function on N local processes and bring each rank's result back (tests and benchmarks).
+"""Run a function on N local processes and bring each rank's result back (the tests and the benchmarks).
 
 Processes see MASTER_ADDR/PORT, WORLD_SIZE, RANK and LOCAL_RANK, so Lightning treats them as externally launched.
 A rank that raises, hangs past the timeout or dies without reporting raises in the parent with its traceback;
