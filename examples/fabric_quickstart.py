@@ -10,6 +10,7 @@ import torch
 from lightning.fabric import Fabric
 
 import lightning_mixedfsdp  # noqa: F401  registers strategy="mixed_fsdp2"
+from lightning_mixedfsdp import format_plan
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     model = TinyLlama(TinyLlamaConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, hidden_dim=128))
     model = fabric.setup(model)  # no hand-written fully_shard: norms stay fp32, the rest is bf16
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    fabric.print(fabric.strategy.plan_of(model))
+    fabric.print(format_plan(fabric.strategy.plan_of(model)))
 
     for step in range(args.steps):
         # learnable toy data: arithmetic token sequences

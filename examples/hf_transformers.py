@@ -12,6 +12,7 @@ import torch
 from lightning.fabric import Fabric
 from transformers import GptOssConfig, GptOssForCausalLM
 
+from lightning_mixedfsdp import format_plan
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
 
@@ -34,7 +35,7 @@ def main() -> None:
     )  # fmt: skip
     model = fabric.setup(GptOssForCausalLM(config))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    fabric.print(fabric.strategy.plan_of(model))
+    fabric.print(format_plan(fabric.strategy.plan_of(model)))
 
     for step in range(args.steps):
         start = torch.randint(0, 64, (4, 1))

@@ -72,7 +72,7 @@ class MixedFSDPConfig:
 
     cast_buffers: bool = False
     """Cast the floating buffers no rule covers to the bulk storage dtype, as Lightning's own ``bf16-true`` does. Off:
-    a buffer keeps the dtype the model's own construction gives it (see the buffer rule in README)."""
+    a buffer keeps the dtype the model's own construction gives it (see the buffer rule in docs/dtypes.md)."""
 
     wrap_units: Optional[List[str]] = None
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF

@@ -191,7 +191,7 @@ def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> N
     from lightning_mixedfsdp.recipes.models import TinyLlama
 
     # `init_module()` under bf16-true builds in bf16, as Lightning's own does; keep-fp32 params are initialised in
-    # fp32 (the rule in README), the rest in the dtype they were built in
+    # fp32 (the rule in docs/dtypes.md), the rest in the dtype they were built in
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:

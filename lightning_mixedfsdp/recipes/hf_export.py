@@ -2,7 +2,7 @@
 ``config.json`` and code (HF's custom-code convention); for byte-level runs, a tokenizer; and :func:`load_export`,
 which loads any export with every tensor in the dtype the export holds it in.
 
-How each export loads (README, "Recipes"):
+How each export loads (docs/recipes.md, "Loading the exports"):
 
 - the main job (reference model): ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``; the config
   names the export's fp32 tensors, the model class keeps exactly those fp32 (``_keep_in_fp32_modules_strict``) and

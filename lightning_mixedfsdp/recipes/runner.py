@@ -1,4 +1,4 @@
-"""The recipe runner: ``python -m lightning_mixedfsdp.train --config conf/<recipe>.yaml key.sub=value ...``.
+"""The recipe runner: ``python -m lightning_mixedfsdp.train --config conf/<recipe>.yaml key.sub=value ...``
 
 Launches ``trainer.devices`` processes itself (Lightning re-runs this command in each), prints the dtype report,
 trains with a progress bar, reports held-out perplexity before and after, saves checkpoints, and writes under
@@ -7,7 +7,7 @@ trains with a progress bar, reports held-out perplexity before and after, saves 
 
 ``--resume last`` continues from the run's newest checkpoint with the same data stream; with a larger
 ``trainer.max_steps`` it trains on to it. Ctrl-C or SIGTERM saves ``last.ckpt`` at the next step boundary and exits;
-a second one aborts at once.
+copies within 2 s are the same request, another one later aborts at once.
 ``--dry-run`` prints the plan and the per-rank memory and trains nothing.
 """
 
@@ -202,7 +202,11 @@ def quiet_known_warnings() -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_mixedfsdp.train",
+        description=(__doc__ or "").replace("``", ""),  # the docstring's reST literals, as plain text
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="recipe YAML (e.g. conf/stdlib_llama.yaml); defaults apply without one")
     parser.add_argument(
         "--resume", nargs="?", const="last", help="continue from a checkpoint path, or 'last' (the newest)"

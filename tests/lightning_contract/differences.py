@@ -1,6 +1,6 @@
 """Where ``mixed_fsdp2`` deliberately differs from Lightning's ``ModelParallelStrategy``: the ported test of each is
 skipped for our classes (it still runs for Lightning's) and replaced by a test in ``test_differences.py`` that asserts
-our documented behaviour. README's "Differences from ModelParallelStrategy" lists the same entries."""
+our documented behaviour. docs/configuration.md's "Differences from ModelParallelStrategy" lists the same entries."""
 
 from typing import Dict, Optional, Tuple
 
