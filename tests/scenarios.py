@@ -28,9 +28,10 @@ def rank_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def reference_model(
     config: TinyLlamaConfig, precision: str, keep_fp32_params: Optional[List[str]] = None, seed: int = 0
 ) -> nn.Module:
-    """One process, with the dtypes the documented rules give (docs/dtypes.md), written out here (not asked of the planner): under
-    ``bf16-true`` every param is bf16 except the RMSNorm weights (the default keep rule) and the params matching
-    ``keep_fp32_params``, which stay fp32; a norm computes in fp32 and returns bf16. ``32-true`` changes nothing."""
+    """One process, with the dtypes the documented rules give (docs/dtypes.md), written out here (not asked of the
+    planner): under ``bf16-true`` every param is bf16 except the RMSNorm weights (the default keep rule) and the
+    params matching ``keep_fp32_params``, which stay fp32; a norm computes in fp32 and returns bf16. ``32-true``
+    changes nothing."""
     if precision not in ("32-true", "bf16-true"):
         raise ValueError(f"the reference knows 32-true and bf16-true, not {precision!r}")
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """What ``mixed_fsdp2`` does where it deliberately differs from Lightning's ``ModelParallelStrategy``: one test per
-entry of ``differences.py`` (docs/configuration.md, "Differences from ModelParallelStrategy"), each asserting our behaviour on real
-processes and files, where the ported Lightning test mocks internals or asserts Lightning's."""
+entry of ``differences.py`` (docs/configuration.md, "Differences from ModelParallelStrategy"), each asserting our
+behaviour on real processes and files, where the ported Lightning test mocks internals or asserts Lightning's."""
 
 from pathlib import Path
 from re import escape
