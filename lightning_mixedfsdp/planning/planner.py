@@ -126,16 +126,7 @@ def plan_model(
     }
     if mixed_dtype_groups:
         groups, param_plans = _one_group_per_unit(groups, param_plans)
-    constructed: Dict[str, torch.dtype] = {}
-    unbuilt: List[str] = []
-    narrow_compute = bulk.compute is not None and bulk.compute != torch.float32
-    if narrow_compute and bulk.compute is not None and any(b.is_floating_point() for b in model.buffers()):
-        constructed, unbuilt = constructed_buffer_dtypes(model, index, bulk.compute)
-    buffer_plans = {
-        name: _plan_buffer(name, buffer, matches, _inside(name, frozen), bulk, cast_buffers, constructed.get(name))
-        for name, buffer in ((canonical_name(n), b) for n, b in model.named_buffers())
-        if buffer.is_floating_point()
-    }
+    buffer_plans, unbuilt = _plan_buffers(model, index, matches, frozen, bulk, cast_buffers)
     return ShardPlan(
         bulk=bulk,
         params=param_plans,
@@ -205,6 +196,36 @@ def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_
     return DtypeKey(storage, compute, reduce)
 
 
+def _plan_buffers(
+    model: nn.Module,
+    index: ModuleIndex,
+    matches: KeepFp32Matches,
+    frozen: Sequence[str],
+    bulk: BulkDtypes,
+    cast_buffers: bool,
+) -> Tuple[Dict[str, BufferPlan], List[str]]:
+    """Every floating buffer's plan, and the HF models whose construction could not be read (described)."""
+    constructed: Dict[str, torch.dtype] = {}
+    unbuilt: List[str] = []
+    narrow_compute = bulk.compute is not None and bulk.compute != torch.float32
+    if narrow_compute and bulk.compute is not None and any(b.is_floating_point() for b in model.buffers()):
+        constructed, unbuilt = constructed_buffer_dtypes(model, index, bulk.compute)
+    plans = {
+        name: _initialised_as_built(
+            _plan_buffer(name, buffer, matches, _inside(name, frozen), bulk, cast_buffers, constructed.get(name)),
+            buffer,
+        )
+        for name, buffer in ((canonical_name(n), b) for n, b in model.named_buffers())
+        if buffer.is_floating_point()
+    }
+    return plans, unbuilt
+
+
+def _initialised_as_built(planned: BufferPlan, buffer: torch.Tensor) -> BufferPlan:
+    """A buffer planned in fp32 is initialised in fp32; any other in the dtype it was built in."""
+    return replace(planned, init_dtype=torch.float32 if planned.dtype == torch.float32 else buffer.dtype)
+
+
 def _plan_buffer(
     name: str,
     buffer: torch.Tensor,
@@ -215,22 +236,7 @@ def _plan_buffer(
     constructed: Optional[torch.dtype] = None,
 ) -> BufferPlan:
     """Precedence: a keep-fp32 rule > fully frozen modules in the compute dtype > ``cast_buffers`` > the dtype HF's
-    construction under the compute dtype gives it (``construction.py``) > as built. A buffer planned in fp32 is
-    initialised in fp32; any other as built."""
-    planned = _buffer_dtype(name, buffer, matches, in_frozen_module, bulk, cast_buffers, constructed)
-    init_dtype = torch.float32 if planned.dtype == torch.float32 else buffer.dtype
-    return replace(planned, init_dtype=init_dtype)
-
-
-def _buffer_dtype(
-    name: str,
-    buffer: torch.Tensor,
-    matches: KeepFp32Matches,
-    in_frozen_module: bool,
-    bulk: BulkDtypes,
-    cast_buffers: bool,
-    constructed: Optional[torch.dtype],
-) -> BufferPlan:
+    construction under the compute dtype gives it (``construction.py``) > as built."""
     shape = tuple(buffer.shape)
     if name in matches:
         return BufferPlan(name, shape, torch.float32, BufferSource.KEEP_FP32, matches.rule_of[name])
