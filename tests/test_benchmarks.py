@@ -157,3 +157,29 @@ def test_expert_kernels_benchmark_runs_hfs_experts_with_fewer_local_experts(caps
     assert (results["1"]["experts"], results["2"]["experts"]) == (4, 2)
     assert results["2"]["params_mib"] == results["1"]["params_mib"] / 2
     assert "| 2 | 2 |" in capsys.readouterr().out
+
+
+def test_load_io_benchmark_measures_both_read_modes(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import load_io, meta_memory
+
+    tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    script = tmp_path / "measure.py"
+    script.write_text(
+        "import sys\nfrom benchmarks import load_io, meta_memory\n"
+        f"meta_memory.CONFIG.update({tiny!r})\nload_io.main(sys.argv[1:])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = dict(capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    saved = subprocess.run(
+        [sys.executable, str(script), "--save", str(tmp_path / "copy"), "--shard-size", "20KB"], **run
+    )
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert len(list((tmp_path / "copy").glob("*.safetensors"))) > 1
+    measured = subprocess.run([sys.executable, str(script), "--load", str(tmp_path / "copy"), "--repeats", "1"], **run)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    assert "| rank_zero | 0 |" in measured.stdout and "| own_parts | 1 |" in measured.stdout
+    assert load_io.MODES == ("rank_zero", "own_parts") and meta_memory.CONFIG["hidden_size"] == 1024

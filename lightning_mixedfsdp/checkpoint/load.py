@@ -1,8 +1,9 @@
-"""Loading weights without losing a dtype: dtype-aware casting and rank-0-only reads into sharded models."""
+"""Loading weights without losing a dtype: dtype-aware casting, and loads into sharded models where every rank reads
+its own part of a safetensors checkpoint (a torch file: rank 0 reads and streams)."""
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -95,20 +96,34 @@ def _untied_state(state: Dict[str, Tensor], ties: Dict[str, str]) -> Dict[str, T
     return state
 
 
+ReadMode = Literal["own_parts", "rank_zero"]
+
+
 def load_full_weights(
-    model: nn.Module, path: PathLike, strict: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    model: nn.Module,
+    path: PathLike,
+    strict: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    read: ReadMode = "own_parts",
 ) -> None:
-    """Load a full checkpoint into a sharded model: rank 0 alone reads ``path``, tensor by tensor (safetensors and
-    torch files are memory-mapped), and streams it in chunks of about ``chunk_bytes``, so no rank holds more than one
-    chunk beyond its shards.
+    """Load a full checkpoint into a sharded model.
+
+    A safetensors checkpoint (an HF folder, one file or sharded with an index, or a ``.safetensors`` file alone in
+    its folder) is read by every rank, each reading only the byte ranges of its own shards (torch DCP's
+    ``HuggingFaceStorageReader``): a rank reads about ``1/N`` of the bytes, plus the small replicated params whole.
+    Any other checkpoint (a torch file) is read by rank 0 alone, tensor by tensor (memory-mapped), and streamed in
+    chunks of about ``chunk_bytes``, so no rank holds more than one chunk beyond its shards; ``read="rank_zero"``
+    takes that path for safetensors too (storage that serves one reader best).
 
     Names and shapes are agreed with every rank before any tensor moves, so no rank waits on a mismatched
-    collective. Every tensor takes the dtype the plan gave the matching param or buffer (a checkpoint's fp32 tensor
-    kept fp32 by the plan stays exact). Tied copies in the checkpoint are accepted and skipped. A PEFT model loads
-    its base model's checkpoint; its adapters keep their values.
+    collective. Every tensor takes the dtype the plan gave the matching param or buffer (a checkpoint's bf16 norm
+    widens to fp32 exactly; an fp32 tensor kept fp32 stays exact). Tied copies in the checkpoint are accepted and
+    skipped. A PEFT model loads its base model's checkpoint; its adapters keep their values.
     """
     import torch.distributed as dist
 
+    if read not in ("own_parts", "rank_zero"):
+        raise ValueError(f"load_full_weights: read={read!r} is not supported; use 'own_parts' or 'rank_zero'.")
     model = unwrap_model(model)
     targets = tensor_targets(model)
     from_checkpoint = _checkpoint_names(model)
@@ -124,11 +139,46 @@ def load_full_weights(
     dist.broadcast_object_list(agreed, src=0)
     if agreed[0]:
         raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {agreed[0]}")
+    folder = _safetensors_folder(Path(path)) if read == "own_parts" else None
+    if folder is not None:
+        _read_own_parts(folder, {_own_key(name): targets[name] for name in agreed[1]}, from_checkpoint)
+        return
     chunks = _byte_chunks(targets, agreed[1], chunk_bytes)
     produce = None
     if reader is not None:
         produce = produce_each(chunks, lambda chunk: _LazyChunk(reader, sources, chunk))
     stream_into(model, chunks, produce)
+
+
+def _read_own_parts(folder: Path, targets: Dict[str, Tensor], from_checkpoint: Dict[str, str]) -> None:
+    """Every rank reads its own shards' byte ranges into ``targets`` (checkpoint key -> DTensor or plain tensor of
+    the model; a plain or Replicate one is read whole), cast to the target's dtype. A tied alias is read under the
+    key the checkpoint holds."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    reader = HuggingFaceStorageReader(str(folder))
+    held = set(reader.read_metadata().state_dict_metadata)
+    state: Dict[str, Tensor] = {}
+    for key, target in targets.items():
+        if key in held:
+            state[key] = target
+            continue
+        # a tied param the checkpoint holds under another of its names
+        alias = next(k for k, name in from_checkpoint.items() if k in held and _own_key(name) == key)
+        state[alias] = target
+    with torch.no_grad():
+        dcp.load(state, storage_reader=reader)
+
+
+def _safetensors_folder(path: Path) -> Optional[Path]:
+    """The folder every rank reads with DCP's HF reader: an HF folder, or a ``.safetensors`` file alone in its folder;
+    None for a torch file (or a safetensors file beside others, which the reader would read too)."""
+    folder = path if path.is_dir() else path.parent
+    files = sorted(folder.glob("*.safetensors"))
+    if path.is_dir():
+        return folder if files else None
+    return folder if path.suffix == ".safetensors" and files == [path] else None
 
 
 class CheckpointReader:

@@ -101,3 +101,63 @@ def test_tied_copies_that_differ_are_refused_with_the_fix(tmp_path: Path) -> Non
     state["lm_head.weight"] += 1
     with pytest.raises(ValueError, match=r"ties .* holds different values for .*tie_word_embeddings=False"):
         load_weights(_tied_llama(), state, torch.bfloat16)
+
+
+def _load_both_ways(rank: int, world_size: int, folder: str) -> dict:
+    """``load_full_weights`` of an HF folder (sharded in 3 files) into sharded models, every rank reading its own
+    part and rank 0 reading alone: a tied Llama, the same under peft LoRA (its base checkpoint), bf16-true."""
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_mixedfsdp import load_full_weights
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from tests.scenarios import full_params, make_fabric
+
+    out: dict = {}
+    for read in ("own_parts", "rank_zero"):
+        for kind in ("tied", "lora"):
+            fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(init_meta_params=False))
+            with fabric.init_module(empty_init=True):
+                model = _tied_llama(seed=5)
+            if kind == "lora":
+                model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+            model = fabric.setup(model)
+            load_full_weights(model, folder, read=read)
+            out[(read, kind)] = full_params(model)
+    fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(init_meta_params=False))
+    with fabric.init_module(empty_init=True):
+        model = tiny_model_with_extra_layer()
+    model = fabric.setup(model)
+    with pytest.raises(ValueError, match=r"does not fit the model: missing keys \['model.layers.2"):
+        load_full_weights(model, folder)
+    return out
+
+
+def tiny_model_with_extra_layer() -> torch.nn.Module:
+    from tests.hf_models import tiny_model
+
+    return tiny_model("llama", tie_word_embeddings=True, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_rank_reads_its_own_part_and_loads_what_rank_zero_alone_loads(tmp_path: Path, world_size: int) -> None:
+    from tests.distributed import run_distributed
+
+    source = _tied_llama(seed=1).to(torch.bfloat16)
+    source.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    saved = read_state_dict(tmp_path)
+    for result in run_distributed(_load_both_ways, world_size, str(tmp_path)):
+        for kind in ("tied", "lora"):
+            own, alone = result[("own_parts", kind)], result[("rank_zero", kind)]
+            assert own.keys() == alone.keys()
+            # what the checkpoint holds (the adapters are in no base checkpoint: left as allocated)
+            for name, value in ((n, v) for n, v in own.items() if "lora_" not in n):
+                assert value.dtype == alone[name].dtype and torch.equal(value, alone[name]), (kind, name)
+        tied = result[("own_parts", "tied")]
+        # the file's bf16 norms widened to fp32 exactly; the tie read from the one key the file holds
+        assert tied["model.norm.weight"].dtype == torch.float32
+        assert torch.equal(tied["model.norm.weight"], saved["model.norm.weight"].float())
+        assert torch.equal(tied["model.embed_tokens.weight"], saved["model.embed_tokens.weight"])
+        lora = result[("own_parts", "lora")]
+        base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+        assert torch.equal(lora[base], saved["model.layers.0.self_attn.q_proj.weight"])
