@@ -159,17 +159,20 @@ def test_expert_kernels_benchmark_runs_hfs_experts_with_fewer_local_experts(caps
     assert "| 2 | 2 |" in capsys.readouterr().out
 
 
-def test_load_io_benchmark_measures_both_read_modes(tmp_path) -> None:
+def test_io_benchmark_measures_both_load_and_both_export_paths(tmp_path) -> None:
     import subprocess
     import sys
 
-    from benchmarks import load_io, meta_memory
+    import torch
+
+    from benchmarks import io_per_rank, meta_memory
+    from lightning_mixedfsdp.checkpoint import read_state_dict
 
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     script = tmp_path / "measure.py"
     script.write_text(
-        "import sys\nfrom benchmarks import load_io, meta_memory\n"
-        f"meta_memory.CONFIG.update({tiny!r})\nload_io.main(sys.argv[1:])\n"
+        "import sys\nfrom benchmarks import io_per_rank, meta_memory\n"
+        f"meta_memory.CONFIG.update({tiny!r})\nio_per_rank.main(sys.argv[1:])\n"
     )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -181,5 +184,9 @@ def test_load_io_benchmark_measures_both_read_modes(tmp_path) -> None:
     assert len(list((tmp_path / "copy").glob("*.safetensors"))) > 1
     measured = subprocess.run([sys.executable, str(script), "--load", str(tmp_path / "copy"), "--repeats", "1"], **run)
     assert measured.returncode == 0, measured.stderr[-3000:]
-    assert "| rank_zero | 0 |" in measured.stdout and "| own_parts | 1 |" in measured.stdout
-    assert load_io.MODES == ("rank_zero", "own_parts") and meta_memory.CONFIG["hidden_size"] == 1024
+    assert "| load | rank_zero | 0 |" in measured.stdout and "| load | own_parts | 1 |" in measured.stdout
+    assert "| export | gathered | 0 |" in measured.stdout and "| export | streamed | 1 |" in measured.stdout
+    # both export paths wrote the same tensors
+    gathered, streamed = (read_state_dict(tmp_path / f"copy-export-{kind}") for kind in io_per_rank.EXPORTS)
+    assert gathered.keys() == streamed.keys() and all(torch.equal(gathered[n], streamed[n]) for n in gathered)
+    assert meta_memory.CONFIG["hidden_size"] == 1024  # the subprocess's tiny config stayed there

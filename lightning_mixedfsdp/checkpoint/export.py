@@ -2,15 +2,18 @@
 
 import copy
 import json
+import math
 import os
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Collection, Dict, Iterable, List, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
-from lightning_mixedfsdp.model.names import is_peft_model, peft_base_name, unwrap_model, user_class
+from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
 from lightning_mixedfsdp.planning.planner import ShardPlan
 
 if TYPE_CHECKING:
@@ -47,30 +50,16 @@ def _umask() -> int:
 def write_safetensors(
     state: Dict[str, Tensor], directory: Path, max_shard_bytes: int, metadata: Optional[Dict[str, str]] = None
 ) -> List[Path]:
-    """HF layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus an index."""
-    directory.mkdir(parents=True, exist_ok=True)
-    shards: List[Dict[str, Tensor]] = [{}]
-    size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.contiguous()
-        size += nbytes
-    metadata = {"format": "pt", **(metadata or {})}
-    if len(shards) == 1:
-        save_safetensors(shards[0], directory / SINGLE_FILE, metadata)
-        return [directory / SINGLE_FILE]
-    files = [directory / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for file, shard in zip(files, shards, strict=True):
-        save_safetensors(shard, file, metadata)
-        weight_map.update(dict.fromkeys(shard, file.name))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-    return files
+    """HF layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus an index; every tensor
+    as it is. One process writes (no collective)."""
+    tensors = [_Pending(name, t.shape, t.dtype, partial(_as_is, t)) for name, t in state.items()]
+    written = _stream_to_files(tensors, lambda _, source: source, directory, max_shard_bytes, True, metadata)
+    assert written is not None
+    return written[0]
+
+
+def _as_is(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def export_model(
@@ -80,42 +69,128 @@ def export_model(
     plan: ShardPlan,
     max_shard_bytes: int = 5 * 2**30,
 ) -> Optional[List[Path]]:
-    """Gather the full weights on rank 0 and write them as safetensors; every rank must call it.
+    """Write the full weights as HF safetensors, streamed tensor by tensor; every rank must call it.
 
-    The tensors ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other floating
-    tensor in ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the
-    export; its ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value (:func:`lossless_dtype`).
-    A PEFT model is exported merged (its adapters folded into the base weights, by peft's own ``merge_and_unload``),
-    under the base model's names. Returns the written files on rank 0, None elsewhere.
+    Each tensor is gathered in turn (``DTensor.full_tensor``) and dropped again on every rank but rank 0, which
+    holds at most one file's tensors (``max_shard_bytes``) before it writes that file: no rank ever holds the whole
+    model. The tensors ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other
+    floating tensor in ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)``
+    loads the export; its ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value
+    (:func:`lossless_dtype`). A PEFT model is exported merged under the base model's names, each layer's adapters
+    folded into its base weight as that weight is written. Returns the written files on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 
     model = unwrap_model(model)
-    state = full_state_dict(model)
-    if dist.get_rank() != 0:
-        return None
     keep_fp32: Collection[str] = set(plan.fp32_names)
+    tensors = _export_tensors(model)
     if is_peft_model(model):
-        state = _merged_peft_state(model, state)
+        tensors = _merged_peft_tensors(model, tensors)
         keep_fp32 = {base for base in (peft_base_name(n) for n in keep_fp32) if base is not None}
-    converted = {
-        n: t.to(torch.float32 if n in keep_fp32 else dtype) if t.is_floating_point() else t for n, t in state.items()
-    }
-    directory = Path(directory)
-    files = write_safetensors(converted, directory, max_shard_bytes)
+
+    def target_dtype(name: str, source: torch.dtype) -> torch.dtype:
+        return (torch.float32 if name in keep_fp32 else dtype) if source.is_floating_point else source
+
+    written = _stream_to_files(tensors, target_dtype, Path(directory), max_shard_bytes, dist.get_rank() == 0)
+    if written is None:
+        return None
+    files, dtypes = written
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         config = copy.deepcopy(config)
-        config.dtype = lossless_dtype(converted.values())
+        config.dtype = lossless_dtype(dtypes)
         config.save_pretrained(str(directory))
     return files
 
 
-def lossless_dtype(tensors: Iterable[Tensor]) -> Optional[torch.dtype]:
-    """The one dtype every floating tensor loads into exactly: theirs if they share one, else fp32. Written as the
-    HF config's ``dtype``: ``from_pretrained(directory)`` (``dtype="auto"``) casts every tensor to it, so with the
-    export's bf16 dtype it would round the fp32 norms to bf16."""
-    dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+@dataclass(frozen=True)
+class _Pending:
+    """A tensor to export: its name, its full value's shape and dtype, and how to get the full value (a collective on
+    every rank for a sharded one)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    gather: Callable[[], Tensor]
+
+
+def _gathered(tensor: Tensor) -> Tensor:
+    """The full value of a param or buffer: an all-gather for a DTensor (every rank calls it), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _export_tensors(model: nn.Module) -> List[_Pending]:
+    """Every param and persistent buffer in state-dict order under its canonical name (tied names each once, as the
+    state dict holds them)."""
+    return [
+        _Pending(canonical_name(name), tensor.shape, tensor.dtype, partial(_gathered, tensor.detach()))
+        for name, tensor in model.state_dict(keep_vars=True).items()
+    ]
+
+
+def _stream_to_files(
+    tensors: Sequence[_Pending],
+    target_dtype: Callable[[str, torch.dtype], torch.dtype],
+    directory: Path,
+    max_shard_bytes: int,
+    is_rank_zero: bool,
+    metadata: Optional[Dict[str, str]] = None,
+) -> Optional[Tuple[List[Path], List[torch.dtype]]]:
+    """Gather the tensors in order on every rank and write them on rank 0 in HF's layout (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` files plus an index), one file's worth held at a time."""
+    sizes = [math.prod(t.shape) * target_dtype(t.name, t.dtype).itemsize for t in tensors]
+    groups = _file_groups(sizes, max_shard_bytes)
+    names = (
+        [SINGLE_FILE]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    if is_rank_zero:
+        directory.mkdir(parents=True, exist_ok=True)
+    files: List[Path] = []
+    dtypes: List[torch.dtype] = []
+    weight_map: Dict[str, str] = {}
+    for file_name, members in zip(names, groups, strict=True):
+        shard: Dict[str, Tensor] = {}
+        for index in members:
+            pending = tensors[index]
+            full = pending.gather()
+            if is_rank_zero:
+                shard[pending.name] = full.to(device="cpu", dtype=target_dtype(pending.name, full.dtype)).contiguous()
+            del full
+        if is_rank_zero:
+            save_safetensors(shard, directory / file_name, {"format": "pt", **(metadata or {})})
+            files.append(directory / file_name)
+            dtypes.extend(t.dtype for t in shard.values() if t.is_floating_point())
+            weight_map.update(dict.fromkeys(shard, file_name))
+    if not is_rank_zero:
+        return None
+    if len(groups) > 1:
+        contents = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        (directory / SAFETENSORS_INDEX).write_text(json.dumps(contents, indent=2))
+    return files, dtypes
+
+
+def _file_groups(sizes: Sequence[int], max_shard_bytes: int) -> List[List[int]]:
+    """Consecutive tensors, at most ``max_shard_bytes`` a file (a larger tensor alone in its file)."""
+    groups: List[List[int]] = [[]]
+    size = 0
+    for index, nbytes in enumerate(sizes):
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += nbytes
+    return groups
+
+
+def lossless_dtype(floating: Iterable[torch.dtype]) -> Optional[torch.dtype]:
+    """The one dtype every floating tensor of these dtypes loads into exactly: theirs if they share one, else fp32.
+    Written as the HF config's ``dtype``: ``from_pretrained(directory)`` (``dtype="auto"``) casts every tensor to it,
+    so with the export's bf16 dtype it would round the fp32 norms to bf16."""
+    dtypes = set(floating)
     if len(dtypes) <= 1:
         return dtypes.pop() if dtypes else None
     return torch.float64 if torch.float64 in dtypes else torch.float32
@@ -134,10 +209,11 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
             f"export_adapter: {type(model).__name__} is not a PEFT model; use export_safetensors for its weights, or"
             " wrap the model with peft.get_peft_model before setup."
         )
-    state = full_state_dict(model)
+    adapter: str = model.active_adapter
+    # the adapter's tensors alone are gathered: the base never leaves its shards
+    state = {p.name: p.gather() for p in _export_tensors(model) if "lora_" in p.name}
     if dist.get_rank() != 0:
         return None
-    adapter: str = model.active_adapter
     weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,33 +223,41 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     return [path]
 
 
-def full_state_dict(model: nn.Module) -> Dict[str, Tensor]:
-    """The full (gathered) state dict on rank 0, offloaded to the CPU; empty elsewhere. Names are canonical."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return cast(Dict[str, Tensor], get_model_state_dict(model, options=options))
-
-
-def _merged_peft_state(model: "PeftModel", state: Dict[str, Tensor]) -> Dict[str, Tensor]:
-    """The merged weights of a PEFT model under its base model's names, computed by peft on an unsharded copy that
-    rank 0 builds from the base model's class and config (the export needs the full model on rank 0 anyway)."""
-    from peft import get_peft_model
-
-    base = model.get_base_model()
-    config = getattr(base, "config", None)
-    if config is None:
-        raise TypeError(
-            f"export_safetensors: merging the adapters of a PEFT model needs a Hugging Face base model (with a config);"
-            f" {type(base).__name__} has none. Export the adapter with export_adapter instead."
-        )
-    with torch.device("meta"):
-        copy_of_base = user_class(base)(copy.deepcopy(config))
+def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_Pending]:
+    """A PEFT model's tensors under its base model's names, each LoRA layer's active adapter folded into its base
+    weight when that weight is gathered (peft's own merge of ``lora.Linear``: ``W + transpose(B @ A) * scaling``, in
+    fp32 for bf16 on the CPU, added in the weight's dtype); the adapter tensors themselves are not written."""
     adapter: str = model.active_adapter
-    unsharded = get_peft_model(copy_of_base, copy.deepcopy(model.peft_config[adapter]), adapter_name=adapter)
-    unsharded.load_state_dict(state, strict=True, assign=True)
-    tie_weights = getattr(copy_of_base, "tie_weights", None)
-    if callable(tie_weights):
-        tie_weights()  # assign=True replaced the tied tensors one by one
-    merged: nn.Module = unsharded.merge_and_unload()
-    return merged.state_dict()
+    merges: Dict[str, Any] = {}
+    for module_name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if lora_a is None or adapter not in lora_a:
+            continue
+        if not isinstance(lora_a[adapter], nn.Linear) or getattr(module, "use_dora", {}).get(adapter, False):
+            raise TypeError(
+                f"export_safetensors: merging {module_name} ({type(module).__name__}) is not supported: only plain"
+                " LoRA on Linear layers merges layer by layer. Export the adapter with export_adapter instead."
+            )
+        merges[canonical_name(f"{module_name}.base_layer.weight")] = module
+
+    out = []
+    for pending in tensors:
+        base = peft_base_name(pending.name)
+        if base is None:
+            continue  # an adapter tensor: merged into its base weight
+        module = merges.get(pending.name)
+        gather = pending.gather if module is None else partial(_merged_weight, pending, module, adapter)
+        out.append(_Pending(base, pending.shape, pending.dtype, gather))
+    return out
+
+
+def _merged_weight(pending: _Pending, module: Any, adapter: str) -> Tensor:
+    """peft's merge of one ``lora.Linear`` (``get_delta_weight`` and ``merge``, peft 0.21), on the full tensors."""
+    weight = pending.gather().clone()
+    lora_a = _gathered(module.lora_A[adapter].weight.detach())
+    lora_b = _gathered(module.lora_B[adapter].weight.detach())
+    on_cpu_narrow = weight.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
+    product = lora_b.float() @ lora_a.float() if on_cpu_narrow else lora_b @ lora_a
+    delta = (product.T if module.fan_in_fan_out else product) * module.scaling[adapter]
+    weight += delta.to(lora_b.dtype)
+    return weight
