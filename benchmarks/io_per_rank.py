@@ -14,7 +14,9 @@
 
 Before each load every file is dropped from the page cache (``posix_fadvise(DONTNEED)``), so ``/proc/self/io``
 ``read_bytes`` counts what the load itself reads (mmap page-ins included); peak RSS is reset (``clear_refs``) after
-``malloc_trim(0)`` and read (``VmHWM``) after the load.
+``malloc_trim(0)`` and read (``VmHWM``) after the load. On one host the ranks share the page cache, so ``read_bytes``
+attributes a page to whichever rank faulted it first (mmap readahead included); the line above the table gives the
+byte ranges each rank asks for, which is what it reads on a node of its own.
 """
 
 import argparse
@@ -86,6 +88,8 @@ def measure(load_from: str, repeats: int) -> Dict[str, Any]:
 
     from lightning_mixedfsdp import load_full_weights
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp.materialize.stream import tensor_targets
+    from lightning_mixedfsdp.model.tensors import local_tensor
 
     folder = Path(load_from)
     total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
@@ -128,9 +132,15 @@ def measure(load_from: str, repeats: int) -> Dict[str, Any]:
             row = [_io_bytes("write_bytes") - start_written, _status("VmHWM:") - start_rss, seconds]
             exports[kind].append(fabric.all_gather(torch.tensor(row, dtype=torch.float64)).tolist())
     params = sum(p.numel() for p in model.parameters())
-    result = {"params": params, "bytes": total, "loads": rows, "exports": exports}
+    # what each rank asks of storage when it reads its own shards (the file's bf16 bytes of its local tensors);
+    # read_bytes above attributes a page to whichever rank faulted it first, readahead included, on a shared cache
+    requested = sum(local_tensor(t).numel() * 2 for t in tensor_targets(model).values())
+    requested_by_rank = fabric.all_gather(torch.tensor(float(requested), dtype=torch.float64)).tolist()
+    result = {"params": params, "bytes": total, "loads": rows, "exports": exports, "requested": requested_by_rank}
     if fabric.global_rank == 0:
         print(f"{params / 1e6:.1f}M params, {total / 2**30:.2f} GiB of safetensors, 2 ranks, {repeats} of each")
+        asked = ", ".join(f"rank {r}: {b / 2**30:.3f} GiB ({b / total:.2f})" for r, b in enumerate(requested_by_rank))
+        print(f"own_parts asks storage for its shards' byte ranges: {asked}")
         print("| step | path | rank | bytes read or written (share of the model's files) | peak RSS growth | seconds |")
         print("|---|---|---|---|---|---|")
         for step, measured_by in (("load", rows), ("export", exports)):

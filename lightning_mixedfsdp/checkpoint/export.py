@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
+from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
 from lightning_mixedfsdp.planning.planner import ShardPlan
 
@@ -139,7 +141,8 @@ def _stream_to_files(
     metadata: Optional[Dict[str, str]] = None,
 ) -> Optional[Tuple[List[Path], List[torch.dtype]]]:
     """Gather the tensors in order on every rank and write them on rank 0 in HF's layout (``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` files plus an index), one file's worth held at a time."""
+    ``model-0000i-of-0000n.safetensors`` files plus an index), each tensor written as it comes: no rank holds more
+    than one full tensor."""
     sizes = [math.prod(t.shape) * target_dtype(t.name, t.dtype).itemsize for t in tensors]
     groups = _file_groups(sizes, max_shard_bytes)
     names = (
@@ -150,26 +153,27 @@ def _stream_to_files(
     if is_rank_zero:
         directory.mkdir(parents=True, exist_ok=True)
     files: List[Path] = []
-    dtypes: List[torch.dtype] = []
     weight_map: Dict[str, str] = {}
+    file_metadata = {"format": "pt", **(metadata or {})}
     for file_name, members in zip(names, groups, strict=True):
-        shard: Dict[str, Tensor] = {}
-        for index in members:
-            pending = tensors[index]
-            full = pending.gather()
-            if is_rank_zero:
-                shard[pending.name] = full.to(device="cpu", dtype=target_dtype(pending.name, full.dtype)).contiguous()
-            del full
-        if is_rank_zero:
-            save_safetensors(shard, directory / file_name, {"format": "pt", **(metadata or {})})
-            files.append(directory / file_name)
-            dtypes.extend(t.dtype for t in shard.values() if t.is_floating_point())
-            weight_map.update(dict.fromkeys(shard, file_name))
+        entries = [
+            (tensors[i].name, tuple(tensors[i].shape), target_dtype(tensors[i].name, tensors[i].dtype)) for i in members
+        ]
+        stream = SafetensorsStream(directory / file_name, entries, file_metadata) if is_rank_zero else None
+        with stream or nullcontext():
+            for index, (name, _, dtype) in zip(members, entries, strict=True):
+                full = tensors[index].gather()  # a collective for a sharded tensor: every rank, in the same order
+                if stream is not None:
+                    stream.write(name, full.to(dtype))
+                del full
+        files.append(directory / file_name)
+        weight_map.update({name: file_name for name, _, _ in entries})
     if not is_rank_zero:
         return None
     if len(groups) > 1:
         contents = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
         (directory / SAFETENSORS_INDEX).write_text(json.dumps(contents, indent=2))
+    dtypes = [target_dtype(t.name, t.dtype) for t in tensors if t.dtype.is_floating_point]
     return files, dtypes
 
 
