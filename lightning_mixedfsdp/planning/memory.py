@@ -8,7 +8,9 @@ included.
 
 import math
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
+
+import torch
 
 from lightning_mixedfsdp.planning.planner import ParamPlan, ShardPlan
 
@@ -55,3 +57,38 @@ def _local_bytes(param: ParamPlan, shard_ranks: int) -> int:
         return param.nbytes
     rows = math.ceil(param.shape[0] / shard_ranks)
     return rows * (param.nbytes // param.shape[0])
+
+
+@dataclass(frozen=True)
+class IOEstimate:
+    """Bytes and host memory per rank at the two ends of a run: ``load_full_weights`` of an HF folder (every rank
+    reads its own shards' byte ranges) and ``export_safetensors`` (streamed, rank 0 writes)."""
+
+    load_read_per_rank: int
+    """What the busiest rank reads: its shard of every sharded tensor, every replicated one whole."""
+    load_host_peak: int
+    """Host memory a load holds at once beyond the shards: the largest local slice read (read into host memory,
+    then copied to the device)."""
+    export_written: int
+    """What rank 0 writes (every other rank writes nothing)."""
+    export_host_peak: int
+    """Host memory an export holds at once on rank 0: the largest full tensor in the export's dtype (it is gathered,
+    written and dropped before the next)."""
+
+
+def estimate_io(plan: ShardPlan, shard_ranks: int, export_dtype: Optional[torch.dtype] = None) -> IOEstimate:
+    """:class:`IOEstimate` of ``plan`` with params sharded over ``shard_ranks``; the checkpoint read holds each tensor
+    in its storage dtype, the export in ``export_dtype`` (the plan's fp32 tensors in fp32)."""
+    export_dtype = export_dtype or plan.bulk.compute or torch.bfloat16
+    fp32 = set(plan.fp32_names)
+    local = [_local_bytes(param, shard_ranks) for param in plan.params.values()]
+    exported = [
+        math.prod(param.shape) * (torch.float32 if name in fp32 else export_dtype).itemsize
+        for name, param in plan.params.items()
+    ]
+    return IOEstimate(
+        load_read_per_rank=sum(local),
+        load_host_peak=max(local, default=0),
+        export_written=sum(exported),
+        export_host_peak=max(exported, default=0),
+    )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
-from lightning_mixedfsdp.planning.memory import MemoryEstimate, estimate_memory
+from lightning_mixedfsdp.planning.memory import MemoryEstimate, estimate_io, estimate_memory
 from lightning_mixedfsdp.planning.planner import ShardPlan, plan_sharding
 from lightning_mixedfsdp.planning.report import expert_lines, format_bytes, format_count, format_plan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
@@ -61,6 +61,15 @@ def format_summary(
             else f"does not fit: short by {format_bytes(-left)}"
         )
         lines.append(f"  on a {gpu_memory_gb:g} GiB GPU: {verdict}")
+    io = estimate_io(plan, shard_ranks=shard)
+    lines += [
+        "loading an HF folder (load_full_weights, every rank reads its own shards):",
+        f"  read per rank {format_bytes(io.load_read_per_rank)}, host memory beyond the shards"
+        f" {format_bytes(io.load_host_peak)} (the largest slice)",
+        "exporting (export_safetensors, streamed tensor by tensor, in the compute dtype with the fp32 set):",
+        f"  rank 0 writes {format_bytes(io.export_written)}, holding at most {format_bytes(io.export_host_peak)}"
+        " (the largest tensor); the other ranks write nothing",
+    ]
     return "\n".join(lines)
 
 
