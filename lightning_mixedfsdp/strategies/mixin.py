@@ -1,6 +1,7 @@
-"""What the Fabric and Trainer strategies share: config intake, precision adoption, Lightning's mesh contract (plus
-HSDP), handing a module to the pipeline, atomic checkpoints and export. Nothing here shards: the torch-only pipeline
-(``pipeline.py``) does; these are the adapters that let Lightning drive it."""
+"""What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only pipeline. Config and
+precision intake (``MixedFSDPConfig.from_input``, ``precision.adopt_precision``), the meshes from ``ParallelDims``,
+handing a module to ``shard_model``, and the optimizer-state hooks around Lightning's own save and load; the work
+itself lives in the rooms below (``mesh.py``, ``pipeline.py``, ``checkpoint/``)."""
 
 from contextlib import contextmanager
 from pathlib import Path
