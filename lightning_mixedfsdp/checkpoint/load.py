@@ -172,13 +172,19 @@ def _read_own_parts(folder: Path, targets: Dict[str, Tensor], from_checkpoint: D
 
 
 def _safetensors_folder(path: Path) -> Optional[Path]:
-    """The folder every rank reads with DCP's HF reader: an HF folder, or a ``.safetensors`` file alone in its folder;
-    None for a torch file (or a safetensors file beside others, which the reader would read too)."""
+    """The folder every rank reads with DCP's HF reader, which reads every ``*.safetensors`` file in it: an HF folder
+    whose safetensors files are exactly the checkpoint's (its index's files, or ``model.safetensors``), or a
+    ``.safetensors`` file alone in its folder. None otherwise (a torch file; a folder holding other safetensors files
+    too, e.g. an adapter beside the model), which rank 0 then reads alone."""
     folder = path if path.is_dir() else path.parent
-    files = sorted(folder.glob("*.safetensors"))
-    if path.is_dir():
-        return folder if files else None
-    return folder if path.suffix == ".safetensors" and files == [path] else None
+    present = sorted(folder.glob("*.safetensors"))
+    if not path.is_dir():
+        return folder if path.suffix == ".safetensors" and present == [path] else None
+    try:
+        checkpoint_files = sorted(_safetensors_files(folder))
+    except FileNotFoundError:
+        return None
+    return folder if present and present == checkpoint_files else None
 
 
 class CheckpointReader:

@@ -161,3 +161,16 @@ def test_every_rank_reads_its_own_part_and_loads_what_rank_zero_alone_loads(tmp_
         lora = result[("own_parts", "lora")]
         base = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
         assert torch.equal(lora[base], saved["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_only_a_folder_of_the_checkpoints_own_files_is_read_by_every_rank(tmp_path: Path) -> None:
+    from lightning_mixedfsdp.checkpoint.load import _safetensors_folder
+
+    _tied_llama(seed=1).save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert _safetensors_folder(tmp_path / "hf") == tmp_path / "hf"
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "hf" / "adapter_model.safetensors"))
+    assert _safetensors_folder(tmp_path / "hf") is None  # the reader would read the adapter too: rank 0 reads
+    (tmp_path / "alone").mkdir()
+    alone = _checkpoint(tmp_path / "alone", "safetensors")
+    assert _safetensors_folder(alone) == alone.parent  # a file alone in its folder
+    assert _safetensors_folder(_checkpoint(tmp_path / "alone", "pt")) is None  # a torch file: rank 0 reads
