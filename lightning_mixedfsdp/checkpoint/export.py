@@ -73,13 +73,13 @@ def export_model(
 ) -> Optional[List[Path]]:
     """Write the full weights as HF safetensors, streamed tensor by tensor; every rank must call it.
 
-    Each tensor is gathered in turn (``DTensor.full_tensor``) and dropped again on every rank but rank 0, which
-    holds at most one file's tensors (``max_shard_bytes``) before it writes that file: no rank ever holds the whole
-    model. The tensors ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other
-    floating tensor in ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)``
-    loads the export; its ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value
-    (:func:`lossless_dtype`). A PEFT model is exported merged under the base model's names, each layer's adapters
-    folded into its base weight as that weight is written. Returns the written files on rank 0, None elsewhere.
+    Each tensor is gathered in turn (``DTensor.full_tensor``, on every rank), written by rank 0 into its file as it
+    comes (files of at most ``max_shard_bytes``) and dropped: no rank holds more than one full tensor. The tensors
+    ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other floating tensor in
+    ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the export; its
+    ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value (:func:`lossless_dtype`). A PEFT
+    model is exported merged under the base model's names, each layer's adapters folded into its base weight as that
+    weight is written. Returns the written files on rank 0, None elsewhere.
     """
     import torch.distributed as dist
 

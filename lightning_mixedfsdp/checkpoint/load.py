@@ -128,47 +128,37 @@ def load_full_weights(
     targets = tensor_targets(model)
     from_checkpoint = _checkpoint_names(model)
     expected = {key: tuple(targets[name].shape) for key, name in from_checkpoint.items() if key == _own_key(name)}
-    agreed: List[Any] = [None, []]
+    agreed: List[Any] = [None, {}]
     reader = CheckpointReader(path) if dist.get_rank() == 0 else None
     if reader is not None:
         # a tied alias loads its param only when the checkpoint lacks the param's own key
         sources = {from_checkpoint.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in expected)}
         found = {_own_key(name): reader.shape(key) for name, key in sources.items()}
-        present = [name for name in dict.fromkeys(from_checkpoint.values()) if name in sources]
+        # model name -> the checkpoint key it loads from, in the model's order
+        present = {name: sources[name] for name in dict.fromkeys(from_checkpoint.values()) if name in sources}
         agreed = [_mismatches(expected, found, strict), present]
     dist.broadcast_object_list(agreed, src=0)
     if agreed[0]:
         raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {agreed[0]}")
     folder = _safetensors_folder(Path(path)) if read == "own_parts" else None
     if folder is not None:
-        _read_own_parts(folder, {_own_key(name): targets[name] for name in agreed[1]}, from_checkpoint)
+        _read_own_parts(folder, {key: targets[name] for name, key in agreed[1].items()})
         return
-    chunks = _byte_chunks(targets, agreed[1], chunk_bytes)
+    chunks = _byte_chunks(targets, list(agreed[1]), chunk_bytes)
     produce = None
     if reader is not None:
         produce = produce_each(chunks, lambda chunk: _LazyChunk(reader, sources, chunk))
     stream_into(model, chunks, produce)
 
 
-def _read_own_parts(folder: Path, targets: Dict[str, Tensor], from_checkpoint: Dict[str, str]) -> None:
+def _read_own_parts(folder: Path, targets: Dict[str, Tensor]) -> None:
     """Every rank reads its own shards' byte ranges into ``targets`` (checkpoint key -> DTensor or plain tensor of
-    the model; a plain or Replicate one is read whole), cast to the target's dtype. A tied alias is read under the
-    key the checkpoint holds."""
+    the model; a plain or Replicate one is read whole), cast to the target's dtype."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    reader = HuggingFaceStorageReader(str(folder))
-    held = set(reader.read_metadata().state_dict_metadata)
-    state: Dict[str, Tensor] = {}
-    for key, target in targets.items():
-        if key in held:
-            state[key] = target
-            continue
-        # a tied param the checkpoint holds under another of its names
-        alias = next(k for k, name in from_checkpoint.items() if k in held and _own_key(name) == key)
-        state[alias] = target
     with torch.no_grad():
-        dcp.load(state, storage_reader=reader)
+        dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
 
 
 def _safetensors_folder(path: Path) -> Optional[Path]:
