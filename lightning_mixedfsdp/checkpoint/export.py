@@ -234,10 +234,13 @@ def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_P
     adapter: str = model.active_adapter
     merges: Dict[str, Any] = {}
     for module_name, module in model.named_modules():
-        lora_a = getattr(module, "lora_A", None)
-        if lora_a is None or adapter not in lora_a:
+        lora_a = getattr(module, "lora_A", None) or {}
+        # peft's LoRA on an embedding keeps its adapter in lora_embedding_A, not lora_A: refused, never dropped
+        embedding = adapter in (getattr(module, "lora_embedding_A", None) or {})
+        if adapter not in lora_a and not embedding:
             continue
-        if not isinstance(lora_a[adapter], nn.Linear) or getattr(module, "use_dora", {}).get(adapter, False):
+        plain_linear = not embedding and isinstance(lora_a[adapter], nn.Linear)
+        if not plain_linear or getattr(module, "use_dora", {}).get(adapter, False):
             raise TypeError(
                 f"export_safetensors: merging {module_name} ({type(module).__name__}) is not supported: only plain"
                 " LoRA on Linear layers merges layer by layer. Export the adapter with export_adapter instead."
