@@ -22,6 +22,8 @@ StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
 DtypeChoice = Literal["auto", "bf16", "fp32"]
 BufferSyncMode = Literal["none", "broadcast", "average"]
 NonfiniteCheck = Literal["raise", "device_assert"]
+QuantizeBase = Literal["nf4"]
+Offload = Literal["cpu"]
 
 SUPPORTED_PRECISIONS: tuple = get_args(PrecisionFlag)
 DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -132,6 +134,19 @@ class MixedFSDPConfig:
     ``"device_assert"``: no host sync; on a GPU the check is a device-side assert, which stops every kernel queued
     after it and leaves the process unable to use the GPU (restart from the last checkpoint). On a CPU both raise."""
 
+    quantize_base: Optional[QuantizeBase] = None
+    """Store the frozen base weights in 4 bits (QLoRA): ``"nf4"`` quantizes the weight of every frozen ``nn.Linear``
+    (a peft LoRA model's base layers) to torchao's ``NF4Tensor``, which FSDP2 all-gathers in 4 bits. Never quantized:
+    trainable params (the adapters), keep-fp32 params, the output head, tied weights, experts, and weights whose
+    rows per shard do not fill whole NF4 blocks (the dtype report says which and why). Needs torchao
+    (``pip install 'lightning-mixedfsdp[qlora]'``). ``None``: off."""
+
+    offload: Optional[Offload] = None
+    """``"cpu"``: the sharded params, their grads and the optimizer states live in host memory (FSDP2's
+    ``CPUOffloadPolicy``); each unit's params are copied to the device for its forward and backward, its grads back
+    after the reduce-scatter, and the optimizer steps on the host. Replicated params (small or inseparable keep-fp32
+    params) stay on the device with their grads and states. ``None``: off."""
+
     print_report: bool = False
     """Log the dtype report on rank 0 when a model is set up (the ``lightning_mixedfsdp`` logger, INFO; it prints to
     stderr unless your application configured logging)."""
@@ -160,6 +175,10 @@ class MixedFSDPConfig:
             value = getattr(self, name)
             if value not in choices:
                 problems.append(f"{name}={value!r} is not supported; use one of {list(choices)}.")
+        for name, optional_choices in (("quantize_base", get_args(QuantizeBase)), ("offload", get_args(Offload))):
+            value = getattr(self, name)
+            if value is not None and value not in optional_choices:
+                problems.append(f"{name}={value!r} is not supported; use one of {list(optional_choices)} or None.")
         for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units", "buffer_sync_names"):
             for index, pattern in enumerate(getattr(self, name) or []):
                 if not isinstance(pattern, str) or not pattern.strip():

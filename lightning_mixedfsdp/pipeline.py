@@ -58,7 +58,7 @@ def shard_model(
         )
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
-    plan = plan_validated(module, config, bulk)
+    plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.print_report:
         _on_rank_zero(lambda: log.info(format_plan(plan)))
@@ -72,6 +72,7 @@ def shard_model(
         checkpoint_every=config.checkpoint_every,
         compile_units=config.compile,
         recompute_boundaries=config.recompute_keep_fp32_modules,
+        offload_to_cpu=config.offload == "cpu",
     )
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:

@@ -17,6 +17,7 @@ from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
+from lightning_mixedfsdp.apply.quantize import apply_checkpoint_exclusion, apply_quantization
 from lightning_mixedfsdp.apply.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.apply.replicate import (
     ReplicatedGradReducer,
@@ -69,13 +70,16 @@ def apply_plan(
     checkpoint_every: int = 0,
     compile_units: bool = False,
     recompute_boundaries: bool = True,
+    offload_to_cpu: bool = False,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
     when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
-    shards it itself."""
+    shards it itself. ``offload_to_cpu``: every ``fully_shard`` keeps its params, grads and optimizer states in host
+    memory (FSDP2's ``CPUOffloadPolicy``)."""
     if _already_sharded(model):
         return model, None
     apply_dtypes(model, plan)
+    apply_quantization(model, plan.quantized_params, meshes.root.size() // meshes.data_parallel.size(), device)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
         if plan.experts is not None:
@@ -106,8 +110,8 @@ def apply_plan(
     restores += apply_boundaries(index, plan.sharded_groups, recompute_boundaries)
     ignored = {replica.param for replica in replicas}
     for group in plan.sharded_groups:
-        apply_fully_shard(index, group, meshes, reshard_after_forward, ignored)
-    handles: List[RemovableHandle] = []
+        apply_fully_shard(index, group, meshes, reshard_after_forward, ignored, offload_to_cpu)
+    handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
     return model, applied
@@ -242,10 +246,11 @@ def apply_fully_shard(
     meshes: ParallelMeshes,
     reshard_after_forward: bool,
     ignored: Set[nn.Parameter],
+    offload_to_cpu: bool = False,
 ) -> None:
     """One ``fully_shard``: over the data-parallel shard ranks, or for an experts group over the ranks holding the
     same experts, with the divide factor that averages its grads over all data-parallel ranks."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # on the outermost module of each name: a checkpoint or compile wrapper, as torchtitan shards them
     modules = [index.outer[name] for name in group.modules]
@@ -254,7 +259,16 @@ def apply_fully_shard(
     target = modules[0] if len(modules) == 1 else modules
     experts = meshes.experts if group.expert else None
     mesh = experts.fsdp if experts is not None else meshes.fsdp
-    fully_shard(target, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy(group), ignored_params=ignored)
+    # pinned host memory makes the copies asynchronous; it needs an accelerator
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if offload_to_cpu else OffloadPolicy()
+    fully_shard(
+        target,
+        mesh=mesh,
+        reshard_after_forward=reshard,
+        mp_policy=mp_policy(group),
+        offload_policy=offload,
+        ignored_params=ignored,
+    )
     if experts is not None:
         set_expert_reduction(modules[0], experts.gradient_divide_factor, experts.shard_size)
 

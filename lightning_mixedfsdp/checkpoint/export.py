@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, Lis
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
+from lightning_mixedfsdp.model.quantized import dequantized
+from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.planner import ShardPlan
 
 if TYPE_CHECKING:
@@ -117,18 +120,29 @@ class _Pending:
 
 
 def _gathered(tensor: Tensor) -> Tensor:
-    """The full value of a param or buffer: an all-gather for a DTensor (every rank calls it), else the tensor."""
+    """The full value of a param or buffer: an all-gather for a DTensor (every rank calls it), else the tensor. A
+    4-bit weight is dequantized on each rank first and gathered in its nominal dtype."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return dequantized(tensor)
+    if is_nf4(tensor.to_local()):
+        local = dequantized(tensor.to_local())
+        mesh, placements = tensor.device_mesh, tensor.placements
+        tensor = DTensor.from_local(local, mesh, placements, shape=tensor.shape, stride=tensor.stride())
+    return tensor.full_tensor()
 
 
 def _export_tensors(model: nn.Module) -> List[_Pending]:
     """Every param and persistent buffer in state-dict order under its canonical name (tied names each once, as the
-    state dict holds them)."""
+    state dict holds them), and the 4-bit base weights, which state dicts leave out (``apply/quantize.py``)."""
+    tensors = model.state_dict(keep_vars=True)
+    for name, param in model.named_parameters():
+        if name not in tensors and is_nf4(local_tensor(param)):
+            tensors[name] = param
     return [
         _Pending(canonical_name(name), tensor.shape, tensor.dtype, partial(_gathered, tensor.detach()))
-        for name, tensor in model.state_dict(keep_vars=True).items()
+        for name, tensor in tensors.items()
     ]
 
 

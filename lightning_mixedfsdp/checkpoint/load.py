@@ -9,13 +9,18 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, replace_parameter
+from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
+from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
+from lightning_mixedfsdp.model.tensors import local_tensor
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+STAGING_BYTES = 2**30
+"""Per rank: the shards of 4-bit weights read in their nominal dtype before they are quantized (one DCP read each)."""
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
@@ -151,14 +156,54 @@ def load_full_weights(
     stream_into(model, chunks, produce)
 
 
-def _read_own_parts(folder: Path, targets: Dict[str, Tensor]) -> None:
+def _read_own_parts(folder: Path, targets: Dict[str, Tensor], staging_bytes: int = STAGING_BYTES) -> None:
     """Every rank reads its own shards' byte ranges into ``targets`` (checkpoint key -> DTensor or plain tensor of
-    the model; a plain or Replicate one is read whole), cast to the target's dtype."""
+    the model; a plain or Replicate one is read whole), cast to the target's dtype. A 4-bit target is read in its
+    nominal dtype into a staging shard, about ``staging_bytes`` of them per rank at a time, and quantized from
+    there."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    quantized = {key: target for key, target in targets.items() if is_nf4(local_tensor(target))}
     with torch.no_grad():
-        dcp.load(dict(targets), storage_reader=HuggingFaceStorageReader(str(folder)))
+        plain = {key: target for key, target in targets.items() if key not in quantized}
+        dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(folder)))
+        local = {key: local_tensor(target) for key, target in quantized.items()}
+        for chunk in _byte_chunks(local, list(quantized), staging_bytes):
+            staged = {key: _staging_shard(quantized[key]) for key in chunk}
+            dcp.load(dict(staged), storage_reader=HuggingFaceStorageReader(str(folder)))
+            _quantize_into([quantized[key] for key in chunk], [staged[key] for key in chunk])
+
+
+def _staging_shard(target: Tensor) -> Tensor:
+    """An empty tensor of ``target``'s nominal dtype, placed as ``target`` is: what DCP reads a 4-bit shard into."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(target, DTensor):
+        return torch.empty(target.shape, dtype=target.dtype, device=target.device)
+    local = target.to_local()
+    staging = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    mesh, placements = target.device_mesh, target.placements
+    return DTensor.from_local(staging, mesh, placements, shape=target.shape, stride=target.stride())
+
+
+def _quantize_into(targets: List[Tensor], staged: List[Tensor]) -> None:
+    """Quantize each staged shard into its 4-bit target, with the whole weight's scaler mean (one all-reduce over
+    the ranks sharing the weight's rows for the whole chunk)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    by_group: Dict[Any, List[int]] = {}
+    for position, target in enumerate(targets):
+        group = None
+        if isinstance(target, DTensor):
+            shard_dims = [d for d, p in enumerate(target.placements) if isinstance(p, Shard)]
+            group = target.device_mesh.get_group(shard_dims[-1]) if shard_dims else None
+        by_group.setdefault(group, []).append(position)
+    for group, positions in by_group.items():
+        rows = [local_tensor(staged[i]) for i in positions]
+        parts = quantize_rows(rows, group) if group is not None else [quantize_part(r, r) for r in rows]
+        for i, part in zip(positions, parts, strict=True):
+            fill_nf4(local_tensor(targets[i]), part)
 
 
 def _safetensors_folder(path: Path) -> Optional[Path]:

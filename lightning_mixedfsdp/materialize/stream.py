@@ -12,7 +12,9 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.model.names import canonical_name
+from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part
 from lightning_mixedfsdp.model.tensors import local_tensor
 
 Chunk = List[str]
@@ -70,7 +72,12 @@ def _fill(target: Tensor, full: Tensor) -> None:
 
     if isinstance(target, DTensor):
         local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
-        target.to_local().copy_(local)
+        if is_nf4(target.to_local()):  # this rank's rows, quantized with the whole weight's scaler mean
+            fill_nf4(target.to_local(), quantize_part(full, local))
+        else:
+            target.to_local().copy_(local)
+    elif is_nf4(target):
+        fill_nf4(target, quantize_part(full, full))
     else:
         target.copy_(full)
 

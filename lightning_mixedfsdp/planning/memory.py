@@ -2,8 +2,11 @@
 
 FSDP2 shards each param's dim 0 over the shard ranks (``torch.chunk``: the first ranks hold ``ceil(rows / shards)``
 rows); replicated params are whole on every rank. Grads take the param's storage dtype and exist for trainable
-params only; AdamW keeps two states in the param's dtype. Activations depend on batch and sequence and are not
-included.
+params only; AdamW keeps two states in the param's dtype. A 4-bit base weight takes its NF4 bytes (about 0.26x of
+bf16). With ``offload="cpu"`` the sharded params, grads and states are host bytes; replicated ones stay on the device.
+The all-gather working set is what FSDP2 holds unsharded at once: the largest unit's params gathered (in their
+compute dtype, a 4-bit weight in 4 bits) twice over (the unit computing and the next one prefetched), plus one 4-bit
+weight dequantized for its matmul. Activations depend on batch and sequence and are not included.
 """
 
 import math
@@ -24,13 +27,22 @@ class MemoryEstimate:
     optimizer: int
     replicated: int
     """Of the total: the bytes replicated params take beyond an even share (their overhead over full sharding)."""
+    host: int = 0
+    """Of the total: the bytes offloaded to host memory (``offload="cpu"``)."""
+    gathered: int = 0
+    """The all-gather working set on the device, beyond the training state."""
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
+    @property
+    def device(self) -> int:
+        """Bytes on the device: the training state not offloaded, and the all-gather working set."""
+        return self.total - self.host + self.gathered
+
     def fits(self, gpu_bytes: float) -> bool:
-        return self.total <= gpu_bytes
+        return self.device <= gpu_bytes
 
     def rows(self) -> Dict[str, int]:
         return {"params": self.params, "grads": self.grads, "AdamW states": self.optimizer, "total": self.total}
@@ -39,9 +51,10 @@ class MemoryEstimate:
 def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int) -> MemoryEstimate:
     """Per-rank bytes of ``plan`` with params sharded over ``shard_ranks`` (replicated over the rest of the
     ``data_parallel_ranks``, HSDP)."""
-    params = grads = optimizer = replicated = 0
+    params = grads = optimizer = replicated = host = 0
     for param in plan.params.values():
         local = _local_bytes(param, shard_ranks)
+        state = local * (4 if param.requires_grad else 1)
         params += local
         if param.requires_grad:
             grads += local
@@ -49,7 +62,24 @@ def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int)
         if param.replicated:
             share = param.nbytes / data_parallel_ranks
             replicated += int((param.nbytes - share) * (4 if param.requires_grad else 1))
-    return MemoryEstimate(params, grads, optimizer, replicated)
+        elif plan.offload is not None:
+            host += state
+    return MemoryEstimate(params, grads, optimizer, replicated, host=host, gathered=_gathered_bytes(plan))
+
+
+def _gathered_bytes(plan: ShardPlan) -> int:
+    per_unit: Dict[str, int] = {}
+    for group in plan.sharded_groups:
+        gathered = sum(_gathered_param_bytes(plan.params[name]) for name in group.params)
+        per_unit[group.unit] = per_unit.get(group.unit, 0) + gathered
+    dequantized = [math.prod(p.shape) * p.key.compute.itemsize for p in plan.params.values() if p.quantized]
+    return 2 * max(per_unit.values(), default=0) + max(dequantized, default=0)
+
+
+def _gathered_param_bytes(param: ParamPlan) -> int:
+    if param.quantized:
+        return param.nbytes
+    return math.prod(param.shape) * param.key.compute.itemsize
 
 
 def _local_bytes(param: ParamPlan, shard_ranks: int) -> int:

@@ -26,6 +26,7 @@ from lightning_mixedfsdp.planning.matching import (
     find_frozen_modules,
     match_keep_fp32,
 )
+from lightning_mixedfsdp.planning.quantization import plan_quantization
 from lightning_mixedfsdp.planning.types import (
     ROOT,
     BufferPlan,
@@ -39,12 +40,14 @@ from lightning_mixedfsdp.planning.types import (
 
 
 def plan_sharding(
-    model: nn.Module, config: MixedFSDPConfig, precision: Union[str, BulkDtypes] = "32-true"
+    model: nn.Module, config: MixedFSDPConfig, precision: Union[str, BulkDtypes] = "32-true", shard_ranks: int = 1
 ) -> ShardPlan:
     """Every param's and buffer's dtype and every param's FSDP group for ``model``, under a Lightning precision flag
-    (or bulk dtypes already resolved by :meth:`MixedFSDPConfig.bulk_dtypes`)."""
+    (or bulk dtypes already resolved by :meth:`MixedFSDPConfig.bulk_dtypes`), with params sharded over
+    ``shard_ranks``."""
     config.validate()
-    return plan_validated(model, config, config.bulk_dtypes(precision) if isinstance(precision, str) else precision)
+    bulk = config.bulk_dtypes(precision) if isinstance(precision, str) else precision
+    return plan_validated(model, config, bulk, shard_ranks)
 
 
 def fsdp_groups_can_mix_dtypes() -> bool:
@@ -61,8 +64,9 @@ def fsdp_groups_can_mix_dtypes() -> bool:
     return False
 
 
-def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes) -> ShardPlan:
-    """:func:`plan_sharding` for a config validated already (the strategies validate theirs once, at construction)."""
+def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes, shard_ranks: int = 1) -> ShardPlan:
+    """:func:`plan_sharding` for a config validated already (the strategies validate theirs once, at construction).
+    ``shard_ranks``: the ranks each sharded param is split over, which decides the weights 4 bits can hold."""
     return plan_model(
         model,
         bulk,
@@ -73,6 +77,9 @@ def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes) 
         cast_buffers=config.cast_buffers,
         expert_parallel_size=config.expert_parallel_size,
         expert_parallel_plan=config.expert_parallel_plan,
+        quantize_base=config.quantize_base,
+        shard_ranks=shard_ranks,
+        offload=config.offload,
     )
 
 
@@ -87,12 +94,18 @@ def plan_model(
     expert_parallel_size: int = 1,
     expert_parallel_plan: Optional[Dict[str, str]] = None,
     mixed_dtype_groups: Optional[bool] = None,
+    quantize_base: Optional[str] = None,
+    shard_ranks: int = 1,
+    offload: Optional[str] = None,
 ) -> ShardPlan:
     """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass. With
     ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``).
 
     ``mixed_dtype_groups`` (default: :func:`fsdp_groups_can_mix_dtypes`) makes each unit one sharded group holding
-    every dtype, where torch can; every param and buffer keeps the dtypes it has without."""
+    every dtype, where torch can; every param and buffer keeps the dtypes it has without.
+
+    ``quantize_base`` picks the frozen base weights stored in 4 bits (``quantization.py``) for params sharded over
+    ``shard_ranks``; ``offload`` is recorded for the report and the memory estimate."""
     if mixed_dtype_groups is None:
         mixed_dtype_groups = fsdp_groups_can_mix_dtypes()
     index = ModuleIndex(model)
@@ -111,6 +124,15 @@ def plan_model(
     if experts is not None:
         groups = _mark_expert_groups(groups, experts, type(model).__name__)
     group_by_name = {g.name: g for g in groups}
+    quantized, not_quantized = plan_quantization(
+        model,
+        index,
+        quantize_base,
+        shard_ranks,
+        pinned=matches.rule_of.keys(),
+        replicated={name for g in groups if g.replicated for name in g.params},
+        expert_modules=experts.modules if experts is not None else (),
+    )
     param_plans = {
         name: ParamPlan(
             name=name,
@@ -121,6 +143,7 @@ def plan_model(
             replicated=group_by_name[group_of[name]].replicated,
             rule=matches.rule_of.get(name),
             init_dtype=torch.float32 if name in matches else p.dtype,
+            quantized=quantized.get(name),
         )
         for name, p in params.items()
     }
@@ -135,6 +158,8 @@ def plan_model(
         units=tuple(units),
         keep_fp32_modules=matches.modules,
         experts=experts,
+        not_quantized=not_quantized,
+        offload=offload,
         non_persistent_buffers=frozenset(
             canonical_name(f"{module_name}.{buffer}" if module_name else buffer)
             for module_name, module in index.named_modules()

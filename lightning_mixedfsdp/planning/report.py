@@ -1,6 +1,7 @@
 """The dtype report: a plan read back as text (one row per param and buffer, repeated blocks collapsed to ``*``), and
 the table and unit formatting it and the dry-run planner use. It reads a plan and decides nothing."""
 
+import math
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -58,7 +59,7 @@ def format_plan(plan: ShardPlan) -> str:
         (
             collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
             format_shape(p.shape),
-            short_dtype(p.key.storage),
+            p.storage_name,
             short_dtype(p.key.compute),
             short_dtype(p.key.reduce),
             "replicated" if p.replicated else "expert-parallel" if p.name in in_experts else "sharded",
@@ -85,6 +86,12 @@ def format_plan(plan: ShardPlan) -> str:
     ]
     if plan.experts is not None:
         summary += expert_lines(plan)
+    summary += quantization_lines(plan)
+    if plan.offload is not None:
+        summary.append(
+            f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
+            " params stay on the device"
+        )
     lines = summary + [""] + format_table(header, param_rows)
     if buffer_rows:
         lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
@@ -116,3 +123,21 @@ def expert_lines(plan: ShardPlan, expert_shard_ranks: Optional[int] = None) -> L
         f" + split sizes)), backward {all_to_alls['backward']} ({layers} layers x (dispatch + combine)); an"
         " activation-checkpointed layer adds its forward's again in backward",
     ]
+
+
+def quantization_lines(plan: ShardPlan) -> List[str]:
+    """The 4-bit base: how many weights, their bytes against the nominal dtype's, and each weight left as it is."""
+    quantized = [plan.params[name] for name in plan.quantized_params]
+    if not quantized and not plan.not_quantized:
+        return []
+    stored = sum(p.nbytes for p in quantized)
+    nominal = sum(math.prod(p.shape) * p.key.storage.itemsize for p in quantized)
+    ratio = f" ({stored / nominal:.3f}x)" if nominal else ""
+    lines = [
+        f"4-bit base: {len(quantized)} frozen weights in nf4, {format_bytes(stored)} instead of"
+        f" {format_bytes(nominal)}{ratio}, all-gathered in 4 bits with their group; {len(plan.not_quantized)} frozen"
+        " Linear weights left as they are"
+    ]
+    reasons = [(collapse_indices(name), reason) for name, reason in plan.not_quantized.items()]
+    lines += [f"  not quantized: {row[0]}: {row[1]}" for row in dict.fromkeys(reasons)]
+    return lines

@@ -3,7 +3,7 @@ they are applied. Plain frozen dataclasses and enums; the planner (``planner.py`
 (``report.py``) prints them, apply, materialise, load and export read them."""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
@@ -11,6 +11,7 @@ import torch
 
 from lightning_mixedfsdp.config import BulkDtypes, short_dtype
 from lightning_mixedfsdp.model.names import is_within
+from lightning_mixedfsdp.model.quantized import NF4, nf4_nbytes
 from lightning_mixedfsdp.planning.experts import ExpertPlan
 from lightning_mixedfsdp.planning.matching import KeepRule
 
@@ -85,10 +86,20 @@ class ParamPlan:
     init_dtype: Optional[torch.dtype] = None
     """The dtype its init runs in when the model was built on the meta device: as built (random draws depend on the
     dtype), fp32 when a keep-fp32 rule pins it even if it was built under a bf16 default dtype (``init_module()``)."""
+    quantized: Optional[str] = None
+    """The 4-bit format of a frozen base weight (``"nf4"``); ``key.storage`` is then its nominal dtype, the dtype it
+    dequantizes to and computes in. None: stored in ``key.storage``."""
 
     @property
     def nbytes(self) -> int:
+        if self.quantized == NF4:
+            return nf4_nbytes(math.prod(self.shape), self.key.storage)
         return math.prod(self.shape) * self.key.storage.itemsize
+
+    @property
+    def storage_name(self) -> str:
+        """The storage as the report prints it: ``nf4`` for a quantized weight, else the dtype's short name."""
+        return self.quantized or short_dtype(self.key.storage)
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,15 @@ class ShardPlan:
     """Expert parallelism: the experts modules, their split params and the plan handed to transformers."""
     non_persistent_buffers: FrozenSet[str] = frozenset()
     """Planned buffers that no state dict holds (a rotary ``inv_freq``): rebuilt, never saved or loaded."""
+    not_quantized: Dict[str, str] = field(default_factory=dict)
+    """With ``quantize_base``: every frozen ``nn.Linear`` weight left in its dtype, with the reason."""
+    offload: Optional[str] = None
+    """``"cpu"``: the sharded groups' params, grads and optimizer states live in host memory."""
+
+    @property
+    def quantized_params(self) -> Tuple[str, ...]:
+        """The frozen base weights stored in 4 bits."""
+        return tuple(name for name, p in self.params.items() if p.quantized is not None)
 
     @property
     def sharded_groups(self) -> Tuple[ShardGroup, ...]:
@@ -154,9 +174,10 @@ class ShardPlan:
     @property
     def checkpoint_layout(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """What a checkpoint of the model holds per tensor: global shape and dtype of every param and planned
-        buffer. Placements and groups are not part of it (DCP stores global tensors), so the layout is the same
-        whichever groups the plan chose."""
-        layout = {name: (p.shape, p.key.storage) for name, p in self.params.items()}
+        buffer, except the 4-bit frozen base weights (a checkpoint never holds them: the base comes from its own
+        source, the pretrained folder or the seed). Placements and groups are not part of it (DCP stores global
+        tensors), so the layout is the same whichever groups the plan chose."""
+        layout = {name: (p.shape, p.key.storage) for name, p in self.params.items() if p.quantized is None}
         layout.update({n: (b.shape, b.dtype) for n, b in self.buffers.items() if n not in self.non_persistent_buffers})
         return layout
 
