@@ -281,3 +281,31 @@ def test_a_plan_with_experts_needs_an_expert_mesh() -> None:
         r" `shard_model` the meshes of `ParallelDims\(..., expert_parallel=E\).build_meshes\(...\)`",
     ):
         apply_plan(model, plan, meshes, torch.device("cpu"), lambda module, _: module)
+
+
+@pytest.mark.parametrize(("field", "choices"), [("quantize_base", r"\['nf4'\]"), ("offload", r"\['cpu'\]")])
+def test_unknown_quantize_base_or_offload(field: str, choices: str) -> None:
+    with pytest.raises(MixedFSDPConfigError, match=rf"{field}='int4' is not supported; use one of {choices} or None"):
+        MixedFSDPConfig(**{field: "int4"}).validate()
+
+
+def test_quantize_base_without_torchao_names_the_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from lightning_mixedfsdp.apply.quantize import apply_quantization
+
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    with pytest.raises(
+        ImportError, match=r"quantize_base='nf4' needs torchao.*pip install 'lightning-mixedfsdp\[qlora\]'"
+    ):
+        apply_quantization(nn.Linear(64, 256), ["weight"], tensor_parallel_ranks=1, device=torch.device("cpu"))
+
+
+def test_quantize_base_under_tensor_parallelism() -> None:
+    pytest.importorskip("torchao")
+    from lightning_mixedfsdp.apply.quantize import apply_quantization
+
+    with pytest.raises(ValueError, match=r"quantize_base='nf4' with tensor_parallel_size=2 is not supported.*Use"):
+        apply_quantization(nn.Linear(256, 256), ["weight"], tensor_parallel_ranks=2, device=torch.device("cpu"))

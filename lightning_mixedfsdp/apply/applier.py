@@ -79,7 +79,9 @@ def apply_plan(
     if _already_sharded(model):
         return model, None
     apply_dtypes(model, plan)
-    apply_quantization(model, plan.quantized_params, meshes.root.size() // meshes.data_parallel.size(), device)
+    if plan.quantized_params:
+        tensor_parallel = meshes.root.size() // meshes.data_parallel.size()
+        apply_quantization(model, plan.quantized_params, tensor_parallel, device)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
         if plan.experts is not None:

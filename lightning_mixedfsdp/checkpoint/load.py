@@ -17,10 +17,9 @@ from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, te
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
 from lightning_mixedfsdp.model.tensors import local_tensor
+from lightning_mixedfsdp.planning.memory import STAGING_BYTES
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-STAGING_BYTES = 2**30
-"""Per rank: the shards of 4-bit weights read in their nominal dtype before they are quantized (one DCP read each)."""
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:

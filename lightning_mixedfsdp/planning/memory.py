@@ -5,17 +5,22 @@ rows); replicated params are whole on every rank. Grads take the param's storage
 params only; AdamW keeps two states in the param's dtype. A 4-bit base weight takes its NF4 bytes (about 0.26x of
 bf16). With ``offload="cpu"`` the sharded params, grads and states are host bytes; replicated ones stay on the device.
 The all-gather working set is what FSDP2 holds unsharded at once: the largest unit's params gathered (in their
-compute dtype, a 4-bit weight in 4 bits) twice over (the unit computing and the next one prefetched), plus one 4-bit
-weight dequantized for its matmul. Activations depend on batch and sequence and are not included.
+compute dtype, a 4-bit weight in 4 bits) twice over (the unit computing and the next one prefetched), the root's
+params (gathered once per step), plus one 4-bit weight dequantized for its matmul. Activations depend on batch and
+sequence and are not included.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional
 
 import torch
 
 from lightning_mixedfsdp.planning.planner import ParamPlan, ShardPlan
+from lightning_mixedfsdp.planning.types import ROOT
+
+STAGING_BYTES = 2**30
+"""Per rank: the shards of 4-bit weights a load reads in their nominal dtype before quantizing them."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,9 @@ def _gathered_bytes(plan: ShardPlan) -> int:
     for group in plan.sharded_groups:
         gathered = sum(_gathered_param_bytes(plan.params[name]) for name in group.params)
         per_unit[group.unit] = per_unit.get(group.unit, 0) + gathered
+    root = per_unit.pop(ROOT, 0)  # all-gathered once per step and kept until backward ends
     dequantized = [math.prod(p.shape) * p.key.compute.itemsize for p in plan.params.values() if p.quantized]
-    return 2 * max(per_unit.values(), default=0) + max(dequantized, default=0)
+    return root + 2 * max(per_unit.values(), default=0) + max(dequantized, default=0)
 
 
 def _gathered_param_bytes(param: ParamPlan) -> int:
@@ -111,14 +117,17 @@ def estimate_io(plan: ShardPlan, shard_ranks: int, export_dtype: Optional[torch.
     in its storage dtype, the export in ``export_dtype`` (the plan's fp32 tensors in fp32)."""
     export_dtype = export_dtype or plan.bulk.compute or torch.bfloat16
     fp32 = set(plan.fp32_names)
-    local = [_local_bytes(param, shard_ranks) for param in plan.params.values()]
+    # a 4-bit weight is read in its nominal dtype (as a pretrained folder holds it) and quantized after
+    local = [_local_bytes(replace(param, quantized=None), shard_ranks) for param in plan.params.values()]
     exported = [
         math.prod(param.shape) * (torch.float32 if name in fp32 else export_dtype).itemsize
         for name, param in plan.params.items()
     ]
+    # 4-bit weights are read into staging shards of their nominal dtype, up to STAGING_BYTES at a time
+    staged = sum(size for size, param in zip(local, plan.params.values(), strict=True) if param.quantized)
     return IOEstimate(
         load_read_per_rank=sum(local),
-        load_host_peak=max(local, default=0),
+        load_host_peak=max(max(local, default=0), min(staged, STAGING_BYTES)),
         export_written=sum(exported),
         export_host_peak=max(exported, default=0),
     )

@@ -6,6 +6,8 @@ well under a second (0.12 s for Llama-3-70B; the command takes a few seconds mor
     python -m lightning_mixedfsdp.plan --hf-config model_dir --world-size 512 --replicate 64 --precision bf16-mixed
     python -m lightning_mixedfsdp.plan --recipe conf/hf_qwen3_next_tiny.yaml --world-size 8
     python -m lightning_mixedfsdp.plan --hf-config gpt_oss_120b.json --world-size 64 --expert-parallel 8
+    python -m lightning_mixedfsdp.plan --hf-config llama3_70b.json --world-size 8 --gpu-memory 24 \
+        --lora-rank 16 --quantize-base nf4 --offload cpu
 """
 
 import argparse
@@ -31,11 +33,19 @@ def build_on_meta(config: Any) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+def with_lora(model: nn.Module, rank: int, targets: Optional[List[str]]) -> nn.Module:
+    """peft LoRA adapters of ``rank`` on ``targets`` (default: every Linear but the head), built on meta too."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or "all-linear"))
+
+
 def dry_run(
     model: nn.Module, config: MixedFSDPConfig, precision: str, world_size: int, replicate: int
 ) -> Tuple[ShardPlan, MemoryEstimate]:
-    plan = plan_sharding(model, config, precision)
-    return plan, estimate_memory(plan, shard_ranks=world_size // replicate, data_parallel_ranks=world_size)
+    shard = world_size // replicate
+    plan = plan_sharding(model, config, precision, shard_ranks=shard)
+    return plan, estimate_memory(plan, shard_ranks=shard, data_parallel_ranks=world_size)
 
 
 def format_summary(
@@ -53,8 +63,13 @@ def format_summary(
     lines += ["training state per rank (activations not included):"]
     lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
     lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
+    lines += [
+        f"  host memory  {format_bytes(estimate.host)}" + (" (offloaded)" if plan.offload else ""),
+        f"  GPU memory   {format_bytes(estimate.device)} (training state on the device, and"
+        f" {format_bytes(estimate.gathered)} of units all-gathered at once)",
+    ]
     if gpu_memory_gb is not None:
-        left = gpu_memory_gb * 2**30 - estimate.total
+        left = gpu_memory_gb * 2**30 - estimate.device
         verdict = (
             f"fits, {format_bytes(left)} left for activations"
             if left >= 0
@@ -88,11 +103,16 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--expert-parallel", type=int, default=None, help="expert_parallel_size (overrides the recipe's); default 1"
     )
+    parser.add_argument("--lora-rank", type=int, default=None, help="plan peft LoRA adapters of this rank")
+    parser.add_argument("--lora-targets", nargs="+", default=None, help="LoRA target modules; default all Linears")
+    parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="4-bit frozen base (QLoRA)")
+    parser.add_argument("--offload", choices=["cpu"], default=None, help="sharded state in host memory")
     return parser.parse_args(argv)
 
 
 def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]:
-    """The HF config, strategy config, precision and replicas, from the flags and an optional recipe."""
+    """The HF config, strategy config, precision and replicas, from the flags and an optional recipe (whose peft
+    section fills ``args.lora_rank`` and ``args.lora_targets`` when the flags leave them out)."""
     config, precision, replicate, hf_source = MixedFSDPConfig(), "bf16-true", 1, args.hf_config
     if args.recipe:
         from lightning_mixedfsdp.recipes.loader import load_recipe
@@ -101,14 +121,22 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
+        if recipe.peft.enabled and args.lora_rank is None:
+            args.lora_rank, args.lora_targets = recipe.peft.r, args.lora_targets or list(recipe.peft.target_modules)
     precision = args.precision or precision
     replicate = args.replicate or replicate
     if args.expert_parallel is not None:
         config = replace(config, expert_parallel_size=args.expert_parallel)
+    if args.quantize_base is not None:
+        config = replace(config, quantize_base=args.quantize_base)
+    if args.offload is not None:
+        config = replace(config, offload=args.offload)
     experts = config.expert_parallel_size
     problems = [f"--expert-parallel {experts}: {p}" for p in config.problems() if p.startswith("expert_parallel_size")]
     if hf_source is None:
         problems.append("no model: pass --hf-config PATH (or a --recipe whose model names an HF config)")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        problems.append(f"--lora-rank {args.lora_rank} must be >= 1")
     if precision_problem(precision):
         problems.append(f"--{precision_problem(precision)}")
     if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
@@ -128,6 +156,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     hf_config, config, precision, replicate = _settings(args)
     start = time.perf_counter()
     model = build_on_meta(hf_config)
+    if args.lora_rank is not None:
+        model = with_lora(model, args.lora_rank, args.lora_targets)
     plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())

@@ -63,6 +63,30 @@ def test_a_model_that_does_not_fit_says_by_how_much(capsys: Any) -> None:
     assert "on a 80 GiB GPU: does not fit: short by" in capsys.readouterr().out
 
 
+def test_llama3_70b_qlora_on_8_gpus_of_24_gib_fits_with_a_4_bit_base_and_more_room_with_offload(capsys: Any) -> None:
+    pytest.importorskip("peft")
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = ROOT / "benchmarks" / "configs" / "llama3_70b.json"
+    base = ["--hf-config", str(config), "--world-size", "8", "--gpu-memory", "24", "--lora-rank", "16"]
+    runs = {
+        name: main([*base, *flags])
+        for name, flags in {
+            "bf16 base": [],
+            "nf4": ["--quantize-base", "nf4"],
+            "nf4 + offload": ["--quantize-base", "nf4", "--offload", "cpu"],
+        }.items()
+    }
+    printed = capsys.readouterr().out
+    assert "4-bit base: 560 frozen weights in nf4" in printed and "(0.258x)" in printed
+    assert "not quantized: base_model.model.lm_head.weight: output head" in printed
+    device = {name: run["estimate"].device for name, run in runs.items()}
+    assert device["nf4 + offload"] < device["nf4"] < 0.5 * device["bf16 base"]
+    assert device["bf16 base"] > 23 * 2**30  # bf16: the base alone leaves no room for activations
+    assert runs["nf4 + offload"]["estimate"].host > 4 * 2**30 and runs["nf4"]["estimate"].host == 0
+    assert printed.count("on a 24 GiB GPU: fits") == 3 and "(offloaded)" in printed
+
+
 def test_a_config_without_model_type_is_refused_with_the_fix(tmp_path: Path) -> None:
     from lightning_mixedfsdp.recipes.dry_run import main
 
