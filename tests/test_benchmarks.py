@@ -4,6 +4,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from benchmarks import collectives_and_speed, numerics, setup_cost
 
 
@@ -190,3 +192,27 @@ def test_io_benchmark_measures_both_load_and_both_export_paths(tmp_path) -> None
     gathered, streamed = (read_state_dict(tmp_path / f"copy-export-{kind}") for kind in io_per_rank.EXPORTS)
     assert gathered.keys() == streamed.keys() and all(torch.equal(gathered[n], streamed[n]) for n in gathered)
     assert meta_memory.CONFIG["hidden_size"] == 1024  # the subprocess's tiny config stayed there
+
+
+def test_qlora_benchmark_measures_the_three_setups_and_a_4_bit_base_is_about_a_quarter(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    tiny = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    tiny["num_key_value_heads"] = 4
+    script = tmp_path / "measure.py"
+    script.write_text(
+        "import sys\nfrom benchmarks import qlora_memory, meta_memory\n"
+        f"meta_memory.CONFIG.update({tiny!r})\nqlora_memory.main(sys.argv[1:])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    argv = ["--steps", "1", "--repeats", "1", "--seq", "16"]
+    measured = subprocess.run(
+        [sys.executable, str(script), *argv], capture_output=True, text=True, timeout=300, cwd=root, env=env
+    )
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in measured.stdout.splitlines() if line.startswith("| ")}
+    assert {"bf16 base", "nf4", "nf4 + offload"} <= set(rows)
+    assert "nf4 against bf16 base: base 0.258x" in measured.stdout
