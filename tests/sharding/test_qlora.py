@@ -140,6 +140,9 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     fabric.load(folder_path / "ckpt", {"model": resumed, "optimizer": optimizer})
     out["resumed"] = _train(fabric, resumed, rank, range(2, STEPS), optimizer)["losses"]
 
+    checkpointed = make_fabric(WORLD, flag, _strategy(quantize_base="nf4", activation_checkpointing="full"))
+    out["checkpointed"] = _train(checkpointed, checkpointed.setup(qlora_model("llama")), rank, range(STEPS))["losses"]
+
     offload = make_fabric(WORLD, flag, _strategy(quantize_base="nf4", offload="cpu"))
     offloaded = offload.setup(qlora_model("llama"))
     out["offload_policies"] = _offloaded(offloaded)
@@ -255,6 +258,42 @@ def test_cpu_offload_equals_the_run_without_and_keeps_params_and_states_on_the_c
         assert result["offload"] == result["llama", "bf16-true"]["nf4"]
         assert result["offload_policies"] and all(result["offload_policies"])
         assert result["offload_devices"] == {"cpu"}
+
+
+def test_activation_checkpointing_composes_with_the_4_bit_base_bit_for_bit(results: list) -> None:
+    for result in results:
+        assert result["checkpointed"] == result["llama", "bf16-true"]["nf4"]
+
+
+def _hsdp(rank: int, world_size: int) -> Dict[str, Any]:
+    """4 ranks, HSDP 2 x 2: the 4-bit base with offload and activation checkpointing, against it without either."""
+    out = {}
+    for name, fields in (
+        ("plain", dict(quantize_base="nf4")),
+        ("composed", dict(quantize_base="nf4", offload="cpu", activation_checkpointing="full")),
+    ):
+        fabric = make_fabric(world_size, "bf16-true", _strategy(data_parallel_replicate_size=2, **fields))
+        model = fabric.setup(qlora_model("llama"))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+        losses = []
+        for step in range(3):
+            tokens = rank_slice(global_batch(world_size, step, vocab=VOCAB), rank, world_size)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[name] = {"losses": losses, "nf4": len(_base_shards(model)), "offloaded": _offloaded(model)}
+    return out
+
+
+def test_hsdp_composes_with_the_4_bit_base_offload_and_activation_checkpointing() -> None:
+    results = run_distributed(_hsdp, 4, timeout=300)
+    for result in results:
+        assert result["composed"]["losses"] == result["plain"]["losses"]
+        assert result["composed"]["nf4"] == result["plain"]["nf4"] == 14
+        assert all(result["composed"]["offloaded"]) and not any(result["plain"]["offloaded"])
 
 
 def test_meta_init_and_a_pretrained_load_quantize_each_ranks_rows_as_the_whole_weight_would(results: list) -> None:
