@@ -4,6 +4,7 @@ Candidates are the weights of frozen ``nn.Linear`` modules: a peft LoRA model's 
 original ``nn.Linear`` as ``base_layer``), a frozen tower's projections. Left in their dtype, each with its reason:
 
 - a keep-fp32 rule pins it (a router gate, an HF ``_keep_in_fp32_modules`` entry);
+- it is no floating-point weight (quantized already, e.g. by bitsandbytes);
 - the output head, and any weight tied to another (the embedding): QLoRA leaves ``lm_head`` unquantized too, and a
   tied weight is also an embedding table, which NF4 cannot index;
 - experts under expert parallelism (fused 3-D expert weights are no ``nn.Linear`` and are never candidates);
@@ -59,6 +60,8 @@ def _reason_left(
 ) -> Optional[str]:
     if name in pinned:
         return "keep-fp32"
+    if not module.weight.is_floating_point():
+        return f"stored as {module.weight.dtype} already (quantized by another library?)"
     if module is head:
         return "output head"
     if name in tied:

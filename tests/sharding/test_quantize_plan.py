@@ -94,3 +94,12 @@ def test_each_ranks_rows_quantized_with_the_whole_weights_mean_equal_torchaos_wh
         assert all(torch.equal(a, b) for a, b in zip(nf4_parts(ours), nf4_parts(whole[rank]), strict=True))
         own_mean = to_nf4(rows)  # what a rank quantizing alone gets: another scaler mean, other scalers
         assert not torch.equal(own_mean.scaler_mean, whole[rank].scaler_mean)
+
+
+def test_a_weight_quantized_by_another_library_is_left_alone_with_the_reason() -> None:
+    model = qlora_model("llama")
+    layer = model.base_model.model.model.layers[0].mlp.up_proj.base_layer
+    layer.weight = nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.uint8), requires_grad=False)
+    plan = plan_sharding(model, NF4, "bf16-true", shard_ranks=2)
+    reason = plan.not_quantized["base_model.model.model.layers.0.mlp.up_proj.base_layer.weight"]
+    assert reason == "stored as torch.uint8 already (quantized by another library?)"
