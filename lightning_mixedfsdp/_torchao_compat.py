@@ -1,4 +1,5 @@
-"""Every torchao API the library uses, each behind one small function.
+"""Every torchao API the library uses, each behind one small function: the NF4 tensor (``quantize_base``) and float8
+training (``float8``; public ``torchao.float8`` APIs).
 
 torchao is optional (``pip install 'lightning-mixedfsdp[qlora]'``): nothing here imports it until called. Checked on
 torchao 0.18.0, where the NF4 tensor lives in ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` (public:
@@ -18,6 +19,7 @@ NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
 """Scalers per double-quantization block, each with one quantization factor in the weight's dtype."""
 INSTALL_LINE = "pip install 'lightning-mixedfsdp[qlora]'  (or: pip install torchao)"
+FLOAT8_INSTALL_LINE = "pip install 'lightning-mixedfsdp[float8]'  (or: pip install torchao)"
 
 
 def _nf4_module() -> ModuleType:
@@ -95,3 +97,31 @@ def nf4_of_meta(weight: Tensor, device: torch.device) -> Tensor:
 def dequantize(tensor: Tensor) -> Tensor:
     """An NF4Tensor's weights in its nominal dtype."""
     return tensor.get_original_weight()  # type: ignore[attr-defined]
+
+
+def float8_linear_config(recipe: str, emulate: bool, fsdp_float8_all_gather: bool) -> Any:
+    """torchao's ``Float8LinearConfig`` of a recipe by name (``from_recipe_name``), with emulation and FSDP2's float8
+    all-gather (tensorwise only; then each optimizer step is followed by :func:`precompute_float8_scales`)."""
+    from dataclasses import replace
+
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except ImportError as err:
+        raise ImportError(f"float8 training needs torchao, which is not installed: {FLOAT8_INSTALL_LINE}") from err
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
+
+
+def convert_to_float8(module: Any, config: Any, keep: Any) -> None:
+    """``convert_to_float8_training`` of the Linear layers ``keep(module, fqn)`` accepts, in place."""
+    from torchao.float8 import convert_to_float8_training
+
+    convert_to_float8_training(module, config=config, module_filter_fn=keep)
+
+
+def precompute_float8_scales(module: Any) -> None:
+    """One all-reduce of every float8 weight's amax after an optimizer step, for FSDP2's float8 all-gather
+    (``precompute_float8_dynamic_scale_for_fsdp``)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(module)

@@ -14,8 +14,10 @@ import torch
 # suffixes: LlamaRMSNorm, T5LayerNorm, Qwen3NextRMSNormGated / MambaRMSNormGated, every HF rotary embedding
 DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "RMSNormGated", "LayerNorm", "RotaryEmbedding")
 DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
-# Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32
-DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$",)
+# Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32; MoE router
+# correction biases (DeepSeek-V3's e_score_correction_bias, torchtitan's expert_bias): an aux-loss-free update of 1e-3
+# near a bias of 7 is below bf16's spacing there (0.03) and would be lost entirely
+DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$", r"(^|\.)(e_score_correction_bias|expert_bias)$")
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true"]
 StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
@@ -23,6 +25,7 @@ DtypeChoice = Literal["auto", "bf16", "fp32"]
 BufferSyncMode = Literal["none", "broadcast", "average"]
 NonfiniteCheck = Literal["raise", "device_assert"]
 QuantizeBase = Literal["nf4"]
+Float8Recipe = Literal["tensorwise", "rowwise"]
 Offload = Literal["cpu"]
 
 SUPPORTED_PRECISIONS: tuple = get_args(PrecisionFlag)
@@ -66,7 +69,8 @@ class MixedFSDPConfig:
 
     keep_fp32_params: List[str] = field(default_factory=lambda: list(DEFAULT_KEEP_FP32_PARAMS))
     """Regular expressions searched in qualified param and buffer names; matches stay fp32. The default keeps
-    ``A_log`` (Mamba, GatedDeltaNet) fp32; a list of your own replaces it."""
+    ``A_log`` (Mamba, GatedDeltaNet) and MoE router correction biases (``e_score_correction_bias``,
+    ``expert_bias``) fp32, whatever dtype the model builds them in; a list of your own replaces it."""
 
     honor_hf_keep_in_fp32: bool = True
     """Keep the params and buffers named by HF ``_keep_in_fp32_modules`` fp32 under every precision flag
@@ -147,6 +151,29 @@ class MixedFSDPConfig:
     after the reduce-scatter, and the optimizer steps on the host. Replicated params (small or inseparable keep-fp32
     params) stay on the device with their grads and states. ``None``: off."""
 
+    float8: Optional[Float8Recipe] = None
+    """Float8 training of the bulk's Linear layers (torchao's ``convert_to_float8_training``): ``"tensorwise"`` or
+    ``"rowwise"`` scaling. The plan picks the layers: trainable ``nn.Linear`` modules of the bulk dtype whose dims
+    suit float8 GEMMs; never keep-fp32 or frozen ones, routers and gates, the output head, or (``float8_skip_small``)
+    layers too small to gain. Needs a GPU with float8 matmuls (compute capability 8.9+: H100, L40S, B200) unless
+    ``float8_emulate``, and torchao (``pip install 'lightning-mixedfsdp[float8]'``). ``None``: off."""
+
+    float8_emulate: bool = False
+    """Emulate float8 matmuls in the compute dtype (torchao's ``emulate``): the numerics of float8 scaling on any
+    device, at no speed gain. For tests, and for CPUs and GPUs without float8 matmuls."""
+
+    float8_skip_small: bool = True
+    """Leave out Linear layers too small to gain from float8, by torchao's thresholds measured on H100 (tensorwise:
+    in_features <= 4096 and out_features <= 1024; rowwise: out_features <= 2048, in_features <= 1024, or both <= 4096
+    and 2048): the casts to float8 cost more than the faster matmul saves. ``False``: every eligible layer."""
+
+    float8_include: List[str] = field(default_factory=list)
+    """Regular expressions searched in Linear module names: matches are converted even when they are routers, gates,
+    the output head or small (never keep-fp32, frozen, or with dims not divisible by 16)."""
+
+    float8_exclude: List[str] = field(default_factory=list)
+    """Regular expressions searched in Linear module names: matches stay in the compute dtype."""
+
     print_report: bool = False
     """Log the dtype report on rank 0 when a model is set up (the ``lightning_mixedfsdp`` logger, INFO; it prints to
     stderr unless your application configured logging)."""
@@ -175,15 +202,20 @@ class MixedFSDPConfig:
             value = getattr(self, name)
             if value not in choices:
                 problems.append(f"{name}={value!r} is not supported; use one of {list(choices)}.")
-        for name, optional_choices in (("quantize_base", get_args(QuantizeBase)), ("offload", get_args(Offload))):
+        for name, optional_choices in (
+            ("quantize_base", get_args(QuantizeBase)),
+            ("offload", get_args(Offload)),
+            ("float8", get_args(Float8Recipe)),
+        ):
             value = getattr(self, name)
             if value is not None and value not in optional_choices:
                 problems.append(f"{name}={value!r} is not supported; use one of {list(optional_choices)} or None.")
-        for name in ("keep_fp32_modules", "keep_fp32_params", "wrap_units", "buffer_sync_names"):
+        regex_fields = ("keep_fp32_params", "buffer_sync_names", "float8_include", "float8_exclude")
+        for name in ("keep_fp32_modules", "wrap_units", *regex_fields):
             for index, pattern in enumerate(getattr(self, name) or []):
                 if not isinstance(pattern, str) or not pattern.strip():
                     problems.append(f"{name}[{index}]={pattern!r} is empty; remove it or give a name.")
-        for name in ("keep_fp32_params", "buffer_sync_names"):
+        for name in regex_fields:
             for index, pattern in enumerate(getattr(self, name) or []):
                 if isinstance(pattern, str) and pattern.strip():
                     try:
@@ -206,6 +238,11 @@ class MixedFSDPConfig:
                 " parallelism off."
             )
         problems.extend(_expert_plan_problems(self.expert_parallel_plan))
+        if self.float8 is None and (self.float8_include or self.float8_exclude or self.float8_emulate):
+            problems.append(
+                "float8_include, float8_exclude and float8_emulate need a float8 recipe; set float8='tensorwise'"
+                " (or 'rowwise'), or leave them unset."
+            )
         if self.storage == "bf16" and self.compute_dtype == "fp32":
             problems.append(
                 "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"

@@ -73,6 +73,7 @@ def shard_model(
         compile_units=config.compile,
         recompute_boundaries=config.recompute_keep_fp32_modules,
         offload_to_cpu=config.offload == "cpu",
+        float8_emulate=config.float8_emulate,
     )
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:
@@ -119,11 +120,14 @@ class ShardedModels:
                 self.set_requires_gradient_sync(module, True)
 
     def after_optimizer_step(self) -> None:
-        """``buffer_sync="average"``: the floating buffers of every model become their mean over the data-parallel
-        ranks (the strategies call this after each optimizer step)."""
+        """What follows each optimizer step (the strategies call this): with ``buffer_sync="average"`` the floating
+        buffers of every model become their mean over the data-parallel ranks; the float8 all-gather's scales are
+        computed for the next step's all-gathers."""
         for applied in list(self._applied.values()):
             if applied.buffers is not None and applied.buffers.mode == "average":
                 applied.buffers.average()
+            for action in applied.after_step:
+                action()
 
     def set_requires_gradient_sync(self, module: nn.Module, requires_sync: bool) -> None:
         from torch.distributed.fsdp import FSDPModule

@@ -309,3 +309,18 @@ def test_quantize_base_under_tensor_parallelism() -> None:
 
     with pytest.raises(ValueError, match=r"quantize_base='nf4' with tensor_parallel_size=2 is not supported.*Use"):
         apply_quantization(nn.Linear(256, 256), ["weight"], tensor_parallel_ranks=2, device=torch.device("cpu"))
+
+
+def test_unknown_float8_recipe() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"float8='mxfp4' is not supported; use one of \['tensorwise', 'rowwise'\] or None"
+    ):
+        MixedFSDPConfig(float8="mxfp4").validate()  # type: ignore[arg-type]
+
+
+def test_float8_options_without_a_float8_recipe() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError,
+        match=r"float8_include, float8_exclude and float8_emulate need a float8 recipe; set float8='tensorwise'",
+    ):
+        MixedFSDPConfig(float8_emulate=True).validate()

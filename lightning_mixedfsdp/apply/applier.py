@@ -1,8 +1,8 @@
-"""Execute a ShardPlan on a model, in torchtitan's order: the planned dtypes, the user's ``parallelize_fn`` (tensor
-parallelism), activation checkpointing, per-unit compile, the replicated params and every dtype boundary, one
-``fully_shard`` per sharded group (children before parents, the root last), then the step tracking that reduces the
-replicated grads. The ``apply_*`` leaves are the library's side effects on a model; ``shard_model``
-(``pipeline.py``) orchestrates them."""
+"""Execute a ShardPlan on a model, in torchtitan's order: the planned dtypes, the model conversions (the 4-bit base,
+float8 Linear layers), the user's ``parallelize_fn`` (tensor parallelism), activation checkpointing, per-unit
+compile, the replicated params and every dtype boundary, one ``fully_shard`` per sharded group (children before
+parents, the root last), then the step tracking that reduces the replicated grads. The ``apply_*`` leaves are the
+library's side effects on a model; ``shard_model`` (``pipeline.py``) orchestrates them."""
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple
@@ -17,6 +17,7 @@ from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
+from lightning_mixedfsdp.apply.float8 import apply_float8
 from lightning_mixedfsdp.apply.quantize import apply_checkpoint_exclusion, apply_quantization
 from lightning_mixedfsdp.apply.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.apply.replicate import (
@@ -49,6 +50,8 @@ class AppliedPlan:
     """What undoes the class adaptations (boundaries, local views) of modules FSDP does not wrap itself."""
     buffers: Optional[BufferSync] = None
     """The buffers kept equal on every data-parallel rank, and how."""
+    after_step: List[Callable[[], None]] = field(default_factory=list)
+    """What runs after every optimizer step (the float8 all-gather's scales)."""
 
     def remove_hooks(self) -> None:
         """Remove every hook the plan installed and undo the adaptations of modules that are no FSDP group."""
@@ -71,17 +74,19 @@ def apply_plan(
     compile_units: bool = False,
     recompute_boundaries: bool = True,
     offload_to_cpu: bool = False,
+    float8_emulate: bool = False,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
     when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
     shards it itself. ``offload_to_cpu``: every ``fully_shard`` keeps its params, grads and optimizer states in host
-    memory (FSDP2's ``CPUOffloadPolicy``)."""
+    memory (FSDP2's ``CPUOffloadPolicy``). ``float8_emulate``: the plan's float8 layers emulate float8 matmuls."""
     if _already_sharded(model):
         return model, None
     apply_dtypes(model, plan)
     if plan.quantized_params:
         tensor_parallel = meshes.root.size() // meshes.data_parallel.size()
         apply_quantization(model, plan.quantized_params, tensor_parallel, device)
+    float8_after_step = apply_float8(model, plan.float8_modules, plan.float8_recipe, float8_emulate, device)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
         if plan.experts is not None:
@@ -116,6 +121,8 @@ def apply_plan(
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
+    if float8_after_step is not None:
+        applied.after_step.append(float8_after_step)
     return model, applied
 
 

@@ -115,3 +115,14 @@ def is_peft_model(module: nn.Module) -> "TypeGuard[PeftModel]":
     """A peft ``PeftModel``; peft is imported only if the model's code already did."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def output_head(model: nn.Module) -> Optional[nn.Module]:
+    """The module producing an HF model's logits (``get_output_embeddings()``; through a peft wrapper, the head's base
+    layer); None for a model without one."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get_head() if callable(get_head) else None
+    except (AttributeError, NotImplementedError):  # HF raises for models without a head
+        return None
+    return getattr(head, "base_layer", head) if head is not None else None

@@ -17,6 +17,7 @@ from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, MixedFSDP
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_within
 from lightning_mixedfsdp.planning.construction import constructed_buffer_dtypes
 from lightning_mixedfsdp.planning.experts import ExpertParallelError, ExpertPlan, plan_experts
+from lightning_mixedfsdp.planning.float8 import fused_experts, plan_float8
 from lightning_mixedfsdp.planning.matching import (
     KeepFp32Matches,
     KeepFp32Rules,
@@ -80,6 +81,9 @@ def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes, 
         quantize_base=config.quantize_base,
         shard_ranks=shard_ranks,
         offload=config.offload,
+        float8=Float8Options(
+            config.float8, config.float8_skip_small, tuple(config.float8_include), tuple(config.float8_exclude)
+        ),
     )
 
 
@@ -97,6 +101,7 @@ def plan_model(
     quantize_base: Optional[str] = None,
     shard_ranks: int = 1,
     offload: Optional[str] = None,
+    float8: Optional["Float8Options"] = None,
 ) -> ShardPlan:
     """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass. With
     ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``).
@@ -105,7 +110,8 @@ def plan_model(
     every dtype, where torch can; every param and buffer keeps the dtypes it has without.
 
     ``quantize_base`` picks the frozen base weights stored in 4 bits (``quantization.py``) for params sharded over
-    ``shard_ranks``; ``offload`` is recorded for the report and the memory estimate."""
+    ``shard_ranks``; ``offload`` is recorded for the report and the memory estimate; ``float8`` picks the Linear
+    layers that train in float8 (``float8.py``)."""
     if mixed_dtype_groups is None:
         mixed_dtype_groups = fsdp_groups_can_mix_dtypes()
     index = ModuleIndex(model)
@@ -150,6 +156,10 @@ def plan_model(
     if mixed_dtype_groups:
         groups, param_plans = _one_group_per_unit(groups, param_plans)
     buffer_plans, unbuilt = _plan_buffers(model, index, matches, frozen, bulk, cast_buffers)
+    float8 = float8 or Float8Options()
+    float8_choices = plan_float8(
+        model, index, float8.recipe, float8.skip_small, float8.include, float8.exclude, pinned=matches.rule_of.keys()
+    )
     return ShardPlan(
         bulk=bulk,
         params=param_plans,
@@ -160,6 +170,9 @@ def plan_model(
         experts=experts,
         not_quantized=not_quantized,
         offload=offload,
+        float8_recipe=float8.recipe,
+        float8=float8_choices,
+        float8_left_experts=fused_experts(index) if float8.recipe is not None else (),
         non_persistent_buffers=frozenset(
             canonical_name(f"{module_name}.{buffer}" if module_name else buffer)
             for module_name, module in index.named_modules()
@@ -174,6 +187,16 @@ def plan_model(
             ),
         ),
     )
+
+
+@dataclass(frozen=True)
+class Float8Options:
+    """The config's float8 fields, as the planner takes them."""
+
+    recipe: Optional[str] = None
+    skip_small: bool = True
+    include: Tuple[str, ...] = ()
+    exclude: Tuple[str, ...] = ()
 
 
 def _one_group_per_unit(

@@ -16,7 +16,7 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_within, join_name
+from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_within, join_name, output_head
 from lightning_mixedfsdp.model.quantized import nf4_unfit
 
 
@@ -34,7 +34,7 @@ def plan_quantization(
         return {}, {}
     chosen: Dict[str, str] = {}
     reasons: Dict[str, str] = {}
-    head = _output_head(model)
+    head = output_head(model)
     tied = _tied_params(model)
     for module_name, module in index.named_modules():
         if not isinstance(module, nn.Linear) or module.weight.requires_grad:
@@ -72,17 +72,6 @@ def _reason_left(
         return "replicated"
     unfit = nf4_unfit(tuple(module.weight.shape), shard_ranks)
     return f"shape: {unfit}" if unfit else None
-
-
-def _output_head(model: nn.Module) -> Optional[nn.Module]:
-    get_head = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get_head() if callable(get_head) else None
-    except (AttributeError, NotImplementedError):  # HF raises for models without a head
-        return None
-    if head is not None and not isinstance(head, nn.Linear):  # peft may wrap the head: its base layer is the head
-        head = getattr(head, "base_layer", head)
-    return head
 
 
 def _tied_params(model: nn.Module) -> Collection[str]:

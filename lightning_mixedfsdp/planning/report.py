@@ -87,6 +87,7 @@ def format_plan(plan: ShardPlan) -> str:
     if plan.experts is not None:
         summary += expert_lines(plan)
     summary += quantization_lines(plan)
+    summary += float8_lines(plan)
     if plan.offload is not None:
         summary.append(
             f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
@@ -140,4 +141,23 @@ def quantization_lines(plan: ShardPlan) -> List[str]:
     ]
     reasons = [(collapse_indices(name), reason) for name, reason in plan.not_quantized.items()]
     lines += [f"  not quantized: {row[0]}: {row[1]}" for row in dict.fromkeys(reasons)]
+    return lines
+
+
+def float8_lines(plan: ShardPlan) -> List[str]:
+    """The float8 decision of every Linear layer with its reason, repeated blocks collapsed."""
+    if plan.float8_recipe is None:
+        return []
+    converted = plan.float8_modules
+    lines = [
+        f"float8 {plan.float8_recipe}: {len(converted)} of {len(plan.float8)} Linear layers train in float8; the"
+        " rest stay in the compute dtype"
+    ]
+    rows = [(collapse_indices(name), "float8" if c.converted else "-", c.reason) for name, c in plan.float8.items()]
+    lines += ["  " + line for line in format_table(("linear", "float8", "reason"), rows)]
+    if plan.float8_left_experts:
+        experts = sorted({collapse_indices(name) for name in plan.float8_left_experts})
+        lines.append(
+            f"  experts stay in the compute dtype: {', '.join(experts)} (fused 3-D expert weights, no nn.Linear)"
+        )
     return lines

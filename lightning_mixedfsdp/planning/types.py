@@ -13,6 +13,7 @@ from lightning_mixedfsdp.config import BulkDtypes, short_dtype
 from lightning_mixedfsdp.model.names import is_within
 from lightning_mixedfsdp.model.quantized import NF4, nf4_nbytes
 from lightning_mixedfsdp.planning.experts import ExpertPlan
+from lightning_mixedfsdp.planning.float8 import Float8Choice
 from lightning_mixedfsdp.planning.matching import KeepRule
 
 ROOT = ""
@@ -142,6 +143,17 @@ class ShardPlan:
     """With ``quantize_base``: every frozen ``nn.Linear`` weight left in its dtype, with the reason."""
     offload: Optional[str] = None
     """``"cpu"``: the sharded groups' params, grads and optimizer states live in host memory."""
+    float8_recipe: Optional[str] = None
+    """The float8 recipe (``"tensorwise"``, ``"rowwise"``), or None."""
+    float8: Dict[str, Float8Choice] = field(default_factory=dict)
+    """With a float8 recipe: every ``nn.Linear`` module's decision, with its reason."""
+    float8_left_experts: Tuple[str, ...] = ()
+    """With a float8 recipe: the fused MoE experts modules, which stay in the compute dtype."""
+
+    @property
+    def float8_modules(self) -> Tuple[str, ...]:
+        """The Linear layers converted to float8 training."""
+        return tuple(name for name, choice in self.float8.items() if choice.converted)
 
     @property
     def quantized_params(self) -> Tuple[str, ...]:
