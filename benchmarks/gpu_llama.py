@@ -4,6 +4,8 @@ checkpointing and compile modes.
 
     python -m benchmarks.gpu_llama                       # the whole table (CUDA); prints it and writes --out
     python -m benchmarks.gpu_llama --tiny --device cpu   # smoke test of every set-up and mode on the CPU
+    python -m benchmarks.gpu_llama --float8              # float8 against bf16, eager and compiled (CUDA, sm89+)
+    python -m benchmarks.gpu_llama --float8 --model 8b --batch 1 --modes ac compile   # Llama-3-8B's shapes
 
 Set-ups (world size 1, ``fully_shard`` per decoder layer and the root):
   A    uniform bf16 FSDP2 by hand (the norms lose fp32: fast, numerically wrong)
@@ -14,6 +16,13 @@ Set-ups (world size 1, ``fully_shard`` per decoder layer and the root):
   A'   uniform FSDP2 with fp32 master weights and MixedPrecisionPolicy(param_dtype=bf16): bf16-mixed's fair baseline
   D    mixed_fsdp2, bf16-mixed
   HF   transformers' own FSDP2 plan (``DistributedConfig(fsdp_size=1)``) on a bf16 model
+  A8   A with torchao's float8 tensorwise training by hand (``convert_to_float8_training`` with torchao's own size
+       filter, float8 all-gather, the scales precomputed after each step): what torchtitan users write
+  B8   mixed_fsdp2 bf16-true with ``float8="tensorwise"`` (the plan picks the layers; float8 all-gather on CUDA)
+  B8r  mixed_fsdp2 bf16-true with ``float8="rowwise"``
+
+``--float8`` runs A, A8, B, B8 and B8r in one process per mode (on a CPU they emulate float8): B8 against A8 is the
+cost of the fp32 norms under float8, B8 against B the float8 speed-up.
 
 Eager and AC: the set-ups of one precision share a process and are timed in turn, one step each per round
 (round-robin), so drift cannot favour one; peak memory is the step's peak above what the process holds before it
@@ -55,13 +64,26 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
 )
+LLAMA_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
+MODELS = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 GROUPS = {"bf16-true": ["A", "B", "Bd", "Br", "N"], "bf16-mixed": ["A'", "D"], "peer": ["HF"]}
-MIXED_FSDP2 = ("B", "Bd", "Br", "D")
+FLOAT8_GROUPS = {"float8": ["A", "A8", "B", "B8", "B8r"]}
+MIXED_FSDP2 = ("B", "Bd", "Br", "D", "B8", "B8r")
+FLOAT8_RECIPES = {"B8": "tensorwise", "B8r": "rowwise"}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -> nn.Module:
-    """One set-up, sharded on a 1-rank mesh, with AC and compile in torchtitan's order when ``mode`` asks."""
+    """One set-up, sharded on a 1-rank mesh, with AC and compile in torchtitan's order when ``mode`` asks. What must
+    run after each optimizer step is in ``AFTER_STEP[setup]``."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_mixedfsdp import MixedFSDPConfig
@@ -80,9 +102,36 @@ def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -
         fields: Dict[str, Any] = {"activation_checkpointing": "full" if mode == "ac" else "none"}
         fields["compile"] = mode == "compile"
         fields["recompute_keep_fp32_modules"] = setup == "Br"
+        if setup in FLOAT8_RECIPES:
+            fields.update(float8=FLOAT8_RECIPES[setup], float8_emulate=device.type != "cuda")
         mixed = MixedFSDPConfig(**fields)
-        return shard_model(model, mixed, mixed.bulk_dtypes(flag), meshes, device).module
+        sharded = shard_model(model, mixed, mixed.bulk_dtypes(flag), meshes, device)
+        if sharded.applied is not None and sharded.applied.after_step:
+            AFTER_STEP[setup] = lambda: [action() for action in sharded.applied.after_step]  # type: ignore[union-attr]
+        return sharded.module
+    if setup == "A8":
+        _float8_by_hand(model, device)
     return _by_hand(model, setup, mode, meshes.fsdp)
+
+
+AFTER_STEP: Dict[str, Callable[[], Any]] = {}
+
+
+def _float8_by_hand(model: nn.Module, device: torch.device) -> None:
+    """torchtitan's float8: torchao's tensorwise conversion with its own size filter (the output head left out),
+    float8 all-gather on CUDA and the scales precomputed after each step."""
+    from dataclasses import replace
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    cuda = device.type == "cuda"
+    config = replace(Float8LinearConfig(), emulate=not cuda, enable_fsdp_float8_all_gather=cuda)
+    convert_to_float8_training(
+        model, config=config, module_filter_fn=_auto_filter_for_recipe("tensorwise", ["lm_head"])
+    )
+    if cuda:
+        AFTER_STEP["A8"] = lambda: precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def _by_hand(model: nn.Module, setup: str, mode: str, mesh: Any) -> nn.Module:
@@ -91,7 +140,7 @@ def _by_hand(model: nn.Module, setup: str, mode: str, mesh: Any) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    if setup in ("A", "N"):
+    if setup in ("A", "N", "A8"):
         model.to(bf16)
     bulk = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32 if setup == "A'" else bf16)
     norm_policy = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32, output_dtype=bf16)
@@ -181,6 +230,8 @@ def measure(setups: List[str], config: Dict[str, Any], mode: str, steps: int, wa
             loss.backward()
             clip(model, name)
             optimizer.step()
+            if name in AFTER_STEP:
+                AFTER_STEP[name]()
             optimizer.zero_grad(set_to_none=True)
             sync()
             elapsed = time.perf_counter() - start
@@ -278,7 +329,7 @@ def mfu(step_ms: float, params: int, config: Dict[str, Any], tokens: int) -> Opt
 
 
 def _child(args: argparse.Namespace) -> None:
-    config = TINY if args.tiny else LLAMA_1B
+    config = TINY if args.tiny else MODELS[args.model]
     if args.host_syncs:
         result: Any = host_syncs(config, args.batch, args.seq)
     elif args.nonfinite:
@@ -314,7 +365,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--out", default="benchmarks/results/gpu_llama.json")
+    parser.add_argument("--float8", action="store_true", help="float8 against bf16 (set-ups A, A8, B, B8, B8r)")
+    parser.add_argument("--model", default="1b", choices=list(MODELS), help="Llama shapes: 1.1B or Llama-3-8B")
     args = parser.parse_args(argv)
+    groups_by_name = FLOAT8_GROUPS if args.float8 else GROUPS
+    if args.float8:
+        args.groups = list(FLOAT8_GROUPS)
+        args.out = args.out.replace("gpu_llama.json", "gpu_llama_float8.json")
     if args.tiny:
         args.seq, args.batch = min(args.seq, 64), min(args.batch, 2)
     if args.device == "cpu":
@@ -323,23 +380,23 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         _child(args)
         return {}
     shared = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
-    shared += ["--seq", str(args.seq)] + (["--tiny"] if args.tiny else [])
+    shared += ["--seq", str(args.seq), "--model", args.model] + (["--tiny"] if args.tiny else [])
     results: Dict[str, Any] = {"gpu": gpu_name(), "torch": torch.__version__, "batch": args.batch, "seq": args.seq}
     for mode in args.modes:
         for group in args.groups:
-            setups = GROUPS[group]
+            setups = groups_by_name[group]
             if mode == "compile":  # one compiled set-up per process
                 for setup in setups:
                     results[f"{mode}/{setup}"] = _run_child(["--setups", setup, "--mode", mode, *shared])
             else:
                 results[f"{mode}/{group}"] = _run_child(["--setups", ",".join(setups), "--mode", mode, *shared])
             print(json.dumps({k: v for k, v in results.items() if k.startswith(mode)}), flush=True)
-    if args.device == "cuda" and torch.cuda.is_available():
+    if args.device == "cuda" and torch.cuda.is_available() and not args.float8:
         results["host_syncs"] = _run_child(["--host-syncs", *shared])
         results["nonfinite"] = {setup: _run_child(["--nonfinite", setup]) for setup in ("B", "Bd")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(format_table(results, TINY if args.tiny else LLAMA_1B))
+    print(format_table(results, TINY if args.tiny else MODELS[args.model]))
     return results
 
 
@@ -365,6 +422,11 @@ def format_table(results: Dict[str, Any], config: Dict[str, Any]) -> str:
                 f"| {mode} | {setup} | {row['step_ms']:.1f} | {tokens / (row['step_ms'] / 1e3):,.0f} | {peak} |"
                 f" {f'{util:.1%}' if util else '-'} | {ratio} |"
             )
+    for mode in dict.fromkeys(key.split("/")[0] for key in results if "/" in key):
+        steps = {s: _step_ms(results, mode, s) for s in ("A", "A8", "B", "B8", "B8r")}
+        for fast, slow in (("A8", "A"), ("B8", "B"), ("B8r", "B")):
+            if steps[fast] and steps[slow]:
+                lines.append(f"{mode}: float8 speed-up {slow}/{fast} = {steps[slow] / steps[fast]:.3f}x")
     if "host_syncs" in results:
         lines.append(f"host syncs per step of B: {results['host_syncs']}")
     if "nonfinite" in results:
@@ -372,11 +434,23 @@ def format_table(results: Dict[str, Any], config: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _step_ms(results: Dict[str, Any], mode: str, setup: str) -> Optional[float]:
+    for key in (f"{mode}/float8", f"{mode}/bf16-true", f"{mode}/{setup}"):
+        row = results.get(key, {}).get(setup)
+        if isinstance(row, dict) and "step_ms" in row:
+            return row["step_ms"]
+    return None
+
+
 def _baseline(results: Dict[str, Any], mode: str, setup: str) -> Optional[float]:
-    """A for A, B, Bd, Br, N and HF; A' for A' and D."""
-    name = "A'" if setup in ("A'", "D") else "A"
+    """A for A, A8, B, Bd, Br, N and HF; A' for A' and D; A8 for B8 and B8r (the same recipe by hand)."""
+    name = "A'" if setup in ("A'", "D") else "A8" if setup in FLOAT8_RECIPES else "A"
     group = "bf16-mixed" if name == "A'" else "bf16-true"
-    row = results.get(f"{mode}/{group}", {}).get(name) or results.get(f"{mode}/{name}", {}).get(name)
+    row = (
+        results.get(f"{mode}/{group}", {}).get(name)
+        or results.get(f"{mode}/float8", {}).get(name)
+        or results.get(f"{mode}/{name}", {}).get(name)
+    )
     return row["step_ms"] if isinstance(row, dict) and "step_ms" in row else None
 
 

@@ -216,3 +216,15 @@ def test_qlora_benchmark_measures_the_three_setups_and_a_4_bit_base_is_about_a_q
     rows = {line.split("|")[1].strip(): line for line in measured.stdout.splitlines() if line.startswith("| ")}
     assert {"bf16 base", "nf4", "nf4 + offload"} <= set(rows)
     assert "nf4 against bf16 base: base 0.258x" in measured.stdout
+
+
+def test_gpu_llama_float8_table_runs_every_set_up_on_the_cpu_emulated(tmp_path) -> None:
+    pytest.importorskip("torchao")
+    from benchmarks import gpu_llama
+
+    out = tmp_path / "gpu_llama.json"
+    argv = ["--float8", "--tiny", "--device", "cpu", "--modes", "eager", "--steps", "1", "--warmup", "1"]
+    results = gpu_llama.main([*argv, "--out", str(out)])
+    rows = results["eager/float8"]
+    assert set(rows) == {"A", "A8", "B", "B8", "B8r"} and all("step_ms" in row for row in rows.values()), rows
+    assert (tmp_path / "gpu_llama_float8.json").exists()
