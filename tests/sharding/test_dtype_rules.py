@@ -127,7 +127,9 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     root = Path(folder)
     out: Dict[str, Any] = {"llama": _round_trip(_llama, "bf16-true", root / "llama")}
     for flag in FLAGS:
-        out[f"dots1/{flag}"] = _round_trip(_dots1_in_bf16, flag, root / f"dots1-{flag}")
+        # keep_fp32_params=[]: only the model's own HF strict list keeps its router bias fp32 here (the default
+        # regexes name it too)
+        out[f"dots1/{flag}"] = _round_trip(_dots1_in_bf16, flag, root / f"dots1-{flag}", {"keep_fp32_params": []})
         # keep_fp32_modules=[]: only the model's own HF list keeps its norms fp32 here
         out[f"gpt_oss/{flag}"] = _round_trip(
             _gpt_oss_in_bf16, flag, root / f"gpt_oss-{flag}", {"keep_fp32_modules": []}
