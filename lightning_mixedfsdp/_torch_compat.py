@@ -220,6 +220,11 @@ def own_parameters(module: nn.Module) -> dict:
     return dict(module._parameters)
 
 
+def own_parameter(module: nn.Module, name: str) -> Optional[Tensor]:
+    """``module``'s own param ``name`` as it is stored (``Module._parameters``; read-only, no copy of the dict)."""
+    return module._parameters[name]
+
+
 def own_buffers(module: nn.Module) -> dict:
     """``module``'s own buffers by attribute name, ``None`` entries included (``Module._buffers``; read-only)."""
     return dict(module._buffers)
@@ -229,6 +234,25 @@ def non_persistent_buffer_names(module: nn.Module) -> frozenset:
     """Names of ``module``'s own buffers that no state dict holds (``Module._non_persistent_buffers_set``, private,
     stable on torch 2.11 to 2.15)."""
     return frozenset(module._non_persistent_buffers_set)
+
+
+# ---- DTensor internals ----------------------------------------------------------------------------------------------
+
+
+def dtensor_storage(tensor: Tensor) -> Tensor:
+    """The local tensor a DTensor holds (``DTensor._local_tensor``): the object its in-place ops write to, so an
+    autograd leaf made of it stays the param's own storage. ``to_local()`` would give a fresh view through an autograd
+    function (about 150 us of Python per call and backward). Private, the same on torch 2.11 to 2.15."""
+    return tensor._local_tensor  # type: ignore[attr-defined]
+
+
+def dtensor_with_local(template: Tensor, local: Tensor) -> Tensor:
+    """A DTensor with ``template``'s mesh, placements and metadata holding ``local`` (shape, stride and dtype equal to
+    ``template``'s local tensor): ``DTensor(local, spec, requires_grad=False)``, the constructor ``from_local`` ends
+    in, without recomputing the spec (about 70 us of Python). Private, the same on torch 2.11 to 2.15."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, template._spec, requires_grad=False)  # type: ignore[attr-defined]
 
 
 # ---- distributed checkpoint -----------------------------------------------------------------------------------------

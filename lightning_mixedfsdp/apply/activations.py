@@ -15,9 +15,8 @@ they pack is then the bf16 input. Inside an activation checkpoint the recompute 
 already).
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -45,60 +44,79 @@ class _Narrow:
     """The upcast again, made by the first unpack and shared by the others (one cast per backward, not per use)."""
 
 
-@contextmanager
-def narrow_saves(upcasts: Sequence[Tuple[Tensor, Tensor]], owner: str) -> Iterator[None]:
+class narrow_saves:
     """While inside, a tensor autograd saves that is one of the ``(narrow, wide)`` pairs' ``wide`` upcast is kept as
     ``narrow`` and cast up in backward; other saved tensors go to the hooks in force, if any. A no-op under
     torch.compile (its partitioner chooses what to save). ``owner`` names the module in errors.
 
     Autograd keeps the pack hook as long as what it saved, so the hook must not hold the upcasts: the pairs are
-    dropped on leaving, or the fp32 copies would live until backward.
+    dropped on leaving, or the fp32 copies would live until backward. A class rather than a generator context, and a
+    pack hook that first asks whether the saved tensor is the upcast object itself: it runs for every tensor a
+    keep-fp32 module saves, in every eager step.
     """
-    if not upcasts or torch.compiler.is_compiling():
-        yield
-        return
-    outer = active_saved_tensor_hooks()
-    outer_pack, outer_unpack = outer if outer is not None else (_identity, _identity)
-    pairs = list(upcasts)
-    saved_wide: List[Tuple[Tensor, int, _Narrow]] = []
 
-    def pack(tensor: Tensor) -> Any:
-        for narrow, wide in pairs:
-            if _same_tensor(tensor, wide):
+    __slots__ = ("_owner", "_pairs", "_saved_wide", "_outer_pack", "_outer_unpack", "_outer", "_hooks")
+
+    def __init__(self, upcasts: Sequence[Tuple[Tensor, Tensor]], owner: str) -> None:
+        self._owner = owner
+        self._pairs = list(upcasts)
+        self._saved_wide: List[Tuple[Tensor, int, _Narrow]] = []
+        self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
+        self._outer = False
+        self._outer_pack: Callable[[Tensor], Any] = _identity
+        self._outer_unpack: Callable[[Any], Tensor] = _identity
+
+    def __enter__(self) -> None:
+        if not self._pairs or torch.compiler.is_compiling():
+            return
+        outer = active_saved_tensor_hooks()
+        if outer is not None:
+            self._outer = True
+            self._outer_pack, self._outer_unpack = outer
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if self._hooks is None:
+            return
+        try:
+            self._hooks.__exit__(None, None, None)
+            if kind is None and any(wide._version != version for wide, version, _ in self._saved_wide):
+                raise RuntimeError(
+                    f"mixed_fsdp2: {self._owner} modified its upcast input in place after autograd saved it; its"
+                    " gradient would be wrong. Set recompute_keep_fp32_modules=True, or keep_fp32_modules without"
+                    " this module."
+                )
+        finally:
+            self._pairs.clear()
+            self._saved_wide.clear()
+
+    def _pack(self, tensor: Tensor) -> Any:
+        for narrow, wide in self._pairs:
+            if tensor is wide or _same_tensor(tensor, wide):
                 # several ops save the same upcast (an RMSNorm's pow and mul): one record, cast up once in backward
-                for seen, _, record in saved_wide:
+                for seen, _, record in self._saved_wide:
                     if seen is wide:
                         return record
-                version = narrow._version if outer is None else None
-                record = _Narrow(outer_pack(narrow), wide.dtype, version)
-                saved_wide.append((wide, wide._version, record))
+                version = None if self._outer else narrow._version
+                record = _Narrow(self._outer_pack(narrow), wide.dtype, version)
+                self._saved_wide.append((wide, wide._version, record))
                 return record
-        return outer_pack(tensor)
+        return self._outer_pack(tensor)
 
-    def unpack(saved: Any) -> Tensor:
+    def _unpack(self, saved: Any) -> Tensor:
         if not isinstance(saved, _Narrow):
-            return outer_unpack(saved)
+            return self._outer_unpack(saved)
         if saved.wide is None:
-            narrow = outer_unpack(saved.packed)
+            narrow = self._outer_unpack(saved.packed)
             if saved.version is not None and narrow._version != saved.version:
                 raise RuntimeError(
-                    f"mixed_fsdp2: the input of {owner} was modified in place after its forward, so its gradient"
-                    " cannot be computed (autograd's own error for a saved tensor). Avoid the in-place op on it."
+                    f"mixed_fsdp2: the input of {self._owner} was modified in place after its forward, so its"
+                    " gradient cannot be computed (autograd's own error for a saved tensor). Avoid the in-place op"
+                    " on it."
                 )
             saved.wide = narrow.to(saved.dtype)
         return saved.wide
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-        if any(wide._version != version for wide, version, _ in saved_wide):
-            raise RuntimeError(
-                f"mixed_fsdp2: {owner} modified its upcast input in place after autograd saved it; its gradient"
-                " would be wrong. Set recompute_keep_fp32_modules=True, or keep_fp32_modules without this module."
-            )
-    finally:
-        pairs.clear()
-        saved_wide.clear()
 
 
 def _identity(value: Any) -> Any:
@@ -106,11 +124,12 @@ def _identity(value: Any) -> Any:
 
 
 def _same_tensor(tensor: Tensor, other: Tensor) -> bool:
+    """The same values in the same memory (another Python object viewing it): cheapest checks first."""
     return (
         tensor.dtype == other.dtype
         and tensor.shape == other.shape
-        and tensor.stride() == other.stride()
         and tensor.storage_offset() == other.storage_offset()
+        and tensor.stride() == other.stride()
         and tensor.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
     )
 

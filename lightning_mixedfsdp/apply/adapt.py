@@ -6,7 +6,9 @@
   with ``recompute`` the whole region is recomputed in backward instead.
 - **Local views**: a replicated param is a Replicate DTensor in ``_parameters`` (what optimizers, clipping and DCP
   see); reading the attribute (``norm.weight``) gives its local tensor in the compute dtype, which unmodified module
-  code (HF's included) can mix with plain activations.
+  code (HF's included) can mix with plain activations. In eager mode that is the DTensor's own local tensor as an
+  autograd leaf (no DTensor autograd function per read and per backward); its grad reaches ``param.grad`` through
+  the reducer (``replicate.py``).
 
 Both are one subclass of the module's own class per (class, adaptation), shared by every block, with the same name:
 no hooks, no per-module state. ``torch.compile`` sees the same code and guards in every layer (N identical layers
@@ -20,9 +22,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import own_parameters
+from lightning_mixedfsdp._torch_compat import dtensor_storage, own_parameter
 from lightning_mixedfsdp.apply.activations import narrow_saves, recomputed
-from lightning_mixedfsdp.model.tensors import cast_floating, local_tensor, map_tensors
+from lightning_mixedfsdp.model.tensors import cast_floating, map_tensors
 
 
 @dataclass(frozen=True)
@@ -96,12 +98,25 @@ def _adapted_class(cls: type, adaptation: Adaptation) -> type:
 
 def _local_view(name: str, dtype: torch.dtype) -> Any:
     def get(module: nn.Module) -> Tensor:
-        # a plain tensor stands there while rank 0 initialises a meta model (its full value, swapped in)
-        local = local_tensor(own_parameters(module)[name])
+        local = replica_local(own_parameter(module, name))
         # an autograd-tracked cast: the grad arrives in the storage dtype, as with FSDP's param_dtype
         return local if local.dtype == dtype else local.to(dtype)
 
     return get
+
+
+def replica_local(param: Optional[Tensor]) -> Tensor:
+    """What module code reads for a replicated param. Eager: the DTensor's own local tensor, an autograd leaf whose
+    grad the reducer moves into ``param.grad`` (``replicate.py``). Compiled: ``to_local()``, which dynamo traces into
+    the graph. A plain tensor (rank 0's full value while it initialises a meta model) as it is."""
+    from torch.distributed.tensor import DTensor
+
+    assert param is not None
+    if not isinstance(param, DTensor):
+        return param
+    if torch.compiler.is_compiling():
+        return param.to_local()
+    return dtensor_storage(param)
 
 
 def _boundary_forward(forward: Any, boundary: Boundary) -> Any:

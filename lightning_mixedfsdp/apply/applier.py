@@ -166,6 +166,7 @@ def apply_step_tracking(
     tracker = StepTracker()
     if reducer.num_buckets:
         tracker.on_backward_end(reducer.on_backward_end)
+        tracker.on_reset(reducer.drop_local_grads)
     if isinstance(model, FSDPModule):
         tracker.on_reset(lambda: reset_fsdp_step(model))
     handles.extend(tracker.attach(model))

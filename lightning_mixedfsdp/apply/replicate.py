@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import gradient_divide_factor, own_parameters, replace_parameter
+from lightning_mixedfsdp._torch_compat import (
+    dtensor_storage,
+    dtensor_with_local,
+    gradient_divide_factor,
+    own_parameters,
+    replace_parameter,
+)
 from lightning_mixedfsdp.apply.adapt import Adaptation, ClassRestore, adapt
 from lightning_mixedfsdp.apply.boundaries import group_boundary
 from lightning_mixedfsdp.model.names import ModuleIndex
@@ -72,6 +78,8 @@ def _to_replicate_dtensor(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
         requires_grad=param.requires_grad,
     )
+    # module code reads the local tensor as an autograd leaf (adapt.replica_local): its grad lands there
+    dtensor_storage(replica).requires_grad_(replica.requires_grad)
     replace_parameter(owner, attribute, replica)
     return ReplicatedParam(name, replica, group.key.reduce)
 
@@ -85,6 +93,11 @@ class ReplicatedGradReducer:
     some rank (an unused expert) counts as zero there, and one that got no grad anywhere keeps ``grad=None``. Every
     rank issues the same collectives whatever its grads, so nothing deadlocks. The flags are built on the device;
     the host reads them back only when this rank lacks a grad.
+
+    A backward leaves an eager step's grads on the local leaves module code read (``adapt.replica_local``); the
+    reduction takes them from there (added to a ``param.grad`` left from an earlier backward, as autograd would
+    have accumulated it) and leaves the reduced grad in ``param.grad``, a Replicate DTensor. A compiled forward reads
+    ``to_local()``, whose backward writes ``param.grad`` itself.
     """
 
     def __init__(
@@ -116,7 +129,7 @@ class ReplicatedGradReducer:
 
         factor = self._divide_factor()
         for reduce_dtype, params in self._buckets.items():
-            grads = [as_dtensor(p.grad).to_local() if p.grad is not None else None for p in params]
+            grads = [self._take_grad(p) for p in params]
             missing = any(g is None for g in grads)
             template = as_dtensor(params[0]).to_local()
             flags = self._presence_flags(reduce_dtype, grads, template.device)
@@ -135,10 +148,28 @@ class ReplicatedGradReducer:
             for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
                 chunk = flat[offset : offset + param.numel()].view(param.shape)
                 offset += param.numel()
-                if grad is not None:
-                    grad.copy_(chunk)
-                elif present is not None and present[index] > 0:
-                    param.grad = _like(param, chunk.to(param.dtype))
+                if param.grad is not None:
+                    as_dtensor(param.grad).to_local().copy_(chunk)
+                elif grad is not None or (present is not None and present[index] > 0):
+                    # its own memory: the chunk would keep the whole bucket alive and alias its neighbours
+                    param.grad = dtensor_with_local(param, chunk.to(param.dtype, copy=True))
+
+    @staticmethod
+    def _take_grad(param: nn.Parameter) -> Optional[Tensor]:
+        """This rank's grad of ``param`` for the reduction: the local leaf's (cleared), plus a ``param.grad`` already
+        there (an earlier backward's, or a compiled forward's)."""
+        leaf = dtensor_storage(param)
+        fresh, leaf.grad = leaf.grad, None
+        existing = as_dtensor(param.grad).to_local() if param.grad is not None else None
+        if fresh is None:
+            return existing
+        return fresh if existing is None else existing + fresh
+
+    def drop_local_grads(self) -> None:
+        """Forget the grads a failed backward left on the local leaves (recovery before the next forward)."""
+        for params in self._buckets.values():
+            for param in params:
+                dtensor_storage(param).grad = None
 
     def _presence_flags(self, dtype: torch.dtype, grads: Sequence[Optional[Tensor]], device: torch.device) -> Tensor:
         """One flag per param, made on the device from cached tensors: no host-to-device copy."""
@@ -149,13 +180,6 @@ class ReplicatedGradReducer:
             return ones
         zero = ones.new_zeros(())
         return torch.stack([ones[i] if g is not None else zero for i, g in enumerate(grads)])
-
-
-def _like(param: nn.Parameter, local: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    replica = as_dtensor(param)
-    return DTensor.from_local(local, replica.device_mesh, replica.placements, run_check=False)
 
 
 def as_dtensor(tensor: Tensor) -> "DTensor":
