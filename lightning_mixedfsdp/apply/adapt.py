@@ -116,7 +116,12 @@ def replica_local(param: Optional[Tensor]) -> Tensor:
         return param
     if torch.compiler.is_compiling():
         return param.to_local()
-    return dtensor_storage(param)
+    local = dtensor_storage(param)
+    if local.requires_grad != param.requires_grad:
+        # set here, not once: materialising a meta model (to_empty) or a load swaps in another local tensor, and a
+        # user may freeze or unfreeze the param
+        local.requires_grad_(param.requires_grad)
+    return local
 
 
 def _boundary_forward(forward: Any, boundary: Boundary) -> Any:

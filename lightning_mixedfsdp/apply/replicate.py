@@ -78,8 +78,6 @@ def _to_replicate_dtensor(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),
         requires_grad=param.requires_grad,
     )
-    # module code reads the local tensor as an autograd leaf (adapt.replica_local): its grad lands there
-    dtensor_storage(replica).requires_grad_(replica.requires_grad)
     replace_parameter(owner, attribute, replica)
     return ReplicatedParam(name, replica, group.key.reduce)
 
