@@ -150,9 +150,9 @@ class MixedFSDP2Mixin:
         return self._sharded.add(sharded)
 
     def _watch_optimizer(self, optimizer: Optimizer) -> None:
-        """``buffer_sync="average"``: average the models' buffers after each step of ``optimizer`` (once per
-        optimizer, however often it is set up)."""
-        if self._config.buffer_sync == "average" and optimizer not in self._watched:
+        """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the models'
+        buffers averaged (``buffer_sync="average"``), the float8 all-gather's scales computed (``float8``)."""
+        if optimizer not in self._watched:
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
 

@@ -89,6 +89,13 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     fabric.load(folder_path / "ckpt", {"model": resumed, "optimizer": optimizer})
     out["resumed"] = _train(fabric, resumed, rank, range(2, 4), optimizer)["losses"]
 
+    # what the strategy runs after every optimizer step (on CUDA: the float8 all-gather's scale precompute)
+    applied = fabric.strategy._sharded._applied[unwrap(resumed)]
+    calls: List[int] = []
+    applied.after_step.append(lambda: calls.append(1))
+    _train(fabric, resumed, rank, range(3), optimizer)
+    out["after_step_calls"] = len(calls)
+
     for name, fields in (
         ("checkpointed", dict(activation_checkpointing="full")),
         ("compiled", dict(compile=True, activation_checkpointing="full")),
@@ -149,6 +156,10 @@ def test_export_holds_plain_weights_that_from_pretrained_loads(results: list, fo
         logits = loaded(input_ids=global_batch(WORLD, 0, vocab=VOCAB)).logits.float()
     # the loaded model computes in full precision, the trained one in emulated float8
     assert (logits - results[0]["trained_logits"]).abs().max() < 0.1
+
+
+def test_the_strategy_runs_the_after_step_actions_after_every_optimizer_step(results: list) -> None:
+    assert all(result["after_step_calls"] == 3 for result in results)
 
 
 def test_activation_checkpointing_is_bit_equal_and_compile_within_tolerance(results: list) -> None:
