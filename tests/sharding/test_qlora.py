@@ -50,13 +50,15 @@ def _strategy(**fields: Any) -> Any:
     return MixedFSDP2Strategy(**fields)
 
 
-def _train(fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None) -> Dict[str, Any]:
+def _train(
+    fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None, world: int = WORLD
+) -> Dict[str, Any]:
     if optimizer is None:
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-3))
     losses = []
     for step in steps:
-        tokens = rank_slice(global_batch(WORLD, step, vocab=VOCAB), rank, WORLD)
+        tokens = rank_slice(global_batch(world, step, vocab=VOCAB), rank, world)
         loss = model(input_ids=tokens, labels=tokens).loss
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
@@ -274,16 +276,7 @@ def _hsdp(rank: int, world_size: int) -> Dict[str, Any]:
     ):
         fabric = make_fabric(world_size, "bf16-true", _strategy(data_parallel_replicate_size=2, **fields))
         model = fabric.setup(qlora_model("llama"))
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
-        losses = []
-        for step in range(3):
-            tokens = rank_slice(global_batch(world_size, step, vocab=VOCAB), rank, world_size)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            fabric.backward(loss)
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = _train(fabric, model, rank, range(3), world=world_size)["losses"]
         out[name] = {"losses": losses, "nf4": len(_base_shards(model)), "offloaded": _offloaded(model)}
     return out
 
