@@ -148,8 +148,15 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     offload = make_fabric(WORLD, flag, _strategy(quantize_base="nf4", offload="cpu"))
     offloaded = offload.setup(qlora_model("llama"))
     out["offload_policies"] = _offloaded(offloaded)
-    offload_run = _train(offload, offloaded, rank, range(STEPS))
+    offload_run = _train(offload, offloaded, rank, range(2))
+    offload.save(folder_path / "offload_ckpt", {"model": offloaded, "optimizer": offload_run["optimizer"]})
+    offload_run["losses"] += _train(offload, offloaded, rank, range(2, STEPS), offload_run["optimizer"])["losses"]
     out["offload"] = offload_run["losses"]
+    resumed_offload = offload.setup(qlora_model("llama"))
+    trainable = [p for p in resumed_offload.parameters() if p.requires_grad]
+    resumed_optimizer = offload.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-3))
+    offload.load(folder_path / "offload_ckpt", {"model": resumed_offload, "optimizer": resumed_optimizer})
+    out["offload_resumed"] = _train(offload, resumed_offload, rank, range(2, STEPS), resumed_optimizer)["losses"]
     out["offload_devices"] = {p.device.type for p in offloaded.parameters()} | {
         s.device.type for state in offload_run["optimizer"].state.values() for s in state.values() if torch.is_tensor(s)
     }
@@ -258,6 +265,7 @@ def test_merged_export_loads_with_from_pretrained_and_its_logits_are_close(resul
 def test_cpu_offload_equals_the_run_without_and_keeps_params_and_states_on_the_cpu(results: list) -> None:
     for result in results:
         assert result["offload"] == result["llama", "bf16-true"]["nf4"]
+        assert result["offload_resumed"] == result["offload"][2:]  # clipped steps, a DCP round trip, resumed exactly
         assert result["offload_policies"] and all(result["offload_policies"])
         assert result["offload_devices"] == {"cpu"}
 
