@@ -37,11 +37,13 @@ def _strategy(**fields: Any) -> Any:
     return MixedFSDP2Strategy(**fields)
 
 
-def _train(fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None) -> Dict[str, Any]:
+def _train(
+    fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None, world: int = WORLD
+) -> Dict[str, Any]:
     optimizer = optimizer or fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     losses = []
     for step in steps:
-        tokens = rank_slice(global_batch(WORLD, step, vocab=VOCAB), rank, WORLD)
+        tokens = rank_slice(global_batch(world, step, vocab=VOCAB), rank, world)
         loss = model(input_ids=tokens, labels=tokens).loss
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
@@ -168,3 +170,21 @@ def test_activation_checkpointing_is_bit_equal_and_compile_within_tolerance(resu
         assert result["compiled layers"] == result["llama"]["float8_layers"]
         compiled, eager = result["compiled"], result["llama"]["float8"]
         assert all(abs(a - b) <= LOSS_TOLERANCE for a, b in zip(compiled, eager, strict=True))
+
+
+def _hsdp(rank: int, world_size: int) -> Dict[str, Any]:
+    """4 ranks, HSDP 2 x 2 with the fp32 norms replicated: float8 against bf16, the same batches."""
+    out = {}
+    for name, fields in (("bf16", {}), ("float8", FLOAT8)):
+        fabric = make_fabric(world_size, "bf16-true", _strategy(data_parallel_replicate_size=2, **fields))
+        model = fabric.setup(model_of("llama"))
+        out[name] = _train(fabric, model, rank, range(STEPS), world=world_size)["losses"]
+        out[name + " layers"] = _float8_layers(model)
+    return out
+
+
+def test_hsdp_composes_with_float8_within_tolerance_of_bf16() -> None:
+    for result in run_distributed(_hsdp, 4, timeout=300):
+        assert result["float8 layers"] and not result["bf16 layers"]
+        assert all(abs(a - b) <= LOSS_TOLERANCE for a, b in zip(result["float8"], result["bf16"], strict=True))
+        assert result["float8"] != result["bf16"]
