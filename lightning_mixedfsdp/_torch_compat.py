@@ -248,8 +248,9 @@ def dtensor_storage(tensor: Tensor) -> Tensor:
 
 def dtensor_with_local(template: Tensor, local: Tensor) -> Tensor:
     """A DTensor with ``template``'s mesh, placements and metadata holding ``local`` (shape, stride and dtype equal to
-    ``template``'s local tensor): ``DTensor(local, spec, requires_grad=False)``, the constructor ``from_local`` ends
-    in, without recomputing the spec (about 70 us of Python). Private, the same on torch 2.11 to 2.15."""
+    ``template``'s local tensor, or for a 4-bit template its nominal ones): ``DTensor(local, spec,
+    requires_grad=False)``, the constructor ``from_local`` ends in, without recomputing the spec (about 70 us of
+    Python). Private, the same on torch 2.11 to 2.15."""
     from torch.distributed.tensor import DTensor
 
     return DTensor(local, template._spec, requires_grad=False)  # type: ignore[attr-defined]

@@ -45,16 +45,18 @@ def apply_checkpoint_exclusion(model: nn.Module, quantized: Collection[str]) -> 
     if not names:
         return []
 
-    def is_quantized(key: str) -> bool:
-        canonical = canonical_name(key)
-        return any(canonical == name or canonical.endswith("." + name) for name in names)
-
     def drop_saved(_module: nn.Module, state_dict: Dict[str, Any], prefix: str, _metadata: Any) -> None:
-        for key in [k for k in state_dict if k.startswith(prefix) and is_quantized(k[len(prefix) :])]:
+        # the keys under the prefix are the model's own names: one set lookup each, at every save
+        for key in [k for k in state_dict if k.startswith(prefix) and canonical_name(k[len(prefix) :]) in names]:
             del state_dict[key]
 
     def accept_missing(_module: nn.Module, incompatible_keys: Any) -> None:
+        # the keys are relative to the module the load was called on, the model or one that holds it
+        def quantized(key: str) -> bool:
+            canonical = canonical_name(key)
+            return canonical in names or any(canonical.endswith("." + name) for name in names)
+
         missing = incompatible_keys.missing_keys
-        missing[:] = [key for key in missing if not is_quantized(key)]
+        missing[:] = [key for key in missing if not quantized(key)]
 
     return [model.register_state_dict_post_hook(drop_saved), model.register_load_state_dict_post_hook(accept_missing)]

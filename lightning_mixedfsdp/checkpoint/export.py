@@ -8,11 +8,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp._torch_compat import dtensor_with_local
 from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
@@ -127,9 +128,7 @@ def _gathered(tensor: Tensor) -> Tensor:
     if not isinstance(tensor, DTensor):
         return dequantized(tensor)
     if is_nf4(tensor.to_local()):
-        local = dequantized(tensor.to_local())
-        mesh, placements = tensor.device_mesh, tensor.placements
-        tensor = DTensor.from_local(local, mesh, placements, shape=tensor.shape, stride=tensor.stride())
+        tensor = cast(DTensor, dtensor_with_local(tensor, dequantized(tensor.to_local())))
     return tensor.full_tensor()
 
 

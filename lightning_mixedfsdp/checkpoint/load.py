@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, replace_parameter
+from lightning_mixedfsdp._torch_compat import dtensor_with_local, non_persistent_buffer_names, replace_parameter
 from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
@@ -181,9 +181,7 @@ def _staging_shard(target: Tensor) -> Tensor:
     if not isinstance(target, DTensor):
         return torch.empty(target.shape, dtype=target.dtype, device=target.device)
     local = target.to_local()
-    staging = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-    mesh, placements = target.device_mesh, target.placements
-    return DTensor.from_local(staging, mesh, placements, shape=target.shape, stride=target.stride())
+    return dtensor_with_local(target, torch.empty(local.shape, dtype=local.dtype, device=local.device))
 
 
 def _quantize_into(targets: List[Tensor], staged: List[Tensor]) -> None:
