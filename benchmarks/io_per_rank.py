@@ -11,6 +11,7 @@
     python -m benchmarks.io_per_rank --load /tmp/llama245m --repeats 2
     python -m benchmarks.io_per_rank --size 1.1b --save /tmp/llama1b --shard-size 500MB
     python -m benchmarks.io_per_rank --size 1.1b --load /tmp/llama1b
+    python -m benchmarks.io_per_rank --load /tmp/llama245m --quantize-base nf4   # into a frozen NF4 base
 
 Before each load every file is dropped from the page cache (``posix_fadvise(DONTNEED)``), so ``/proc/self/io``
 ``read_bytes`` counts what the load itself reads (mmap page-ins included); peak RSS is reset (``clear_refs``) after
@@ -82,7 +83,7 @@ def _export_gathered(model: Any, directory: Path, plan: Any) -> None:
         write_safetensors(state, directory, EXPORT_SHARD_BYTES)
 
 
-def measure(load_from: str, repeats: int) -> Dict[str, Any]:
+def measure(load_from: str, repeats: int, quantize_base: Any = None) -> Dict[str, Any]:
     from lightning.fabric import Fabric
     from transformers import LlamaForCausalLM
 
@@ -93,12 +94,13 @@ def measure(load_from: str, repeats: int) -> Dict[str, Any]:
 
     folder = Path(load_from)
     total = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    fabric = Fabric(
-        accelerator="cpu", devices=2, strategy=MixedFSDP2Strategy(init_meta_params=False), precision="bf16-true"
-    )
+    strategy = MixedFSDP2Strategy(init_meta_params=False, quantize_base=quantize_base)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true")
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = LlamaForCausalLM(llama_config())
+    if quantize_base:  # a frozen base (QLoRA's): its Linear weights are stored in 4 bits, read in bf16
+        model.requires_grad_(False)
     model = fabric.setup(model)
     libc = ctypes.CDLL("libc.so.6")
     rows: Dict[str, List[List[float]]] = {mode: [] for mode in MODES}
@@ -159,11 +161,12 @@ def main(argv: Any = None) -> Any:
     parser.add_argument("--load", default=None, help="the copy --save wrote")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--size", choices=list(SIZES), default="245m")
+    parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="load into a frozen 4-bit base")
     args = parser.parse_args(argv)
     CONFIG.update(SIZES[args.size])
     if args.save:
         return save_copy(args.save, args.shard_size)
-    return measure(args.load, args.repeats)
+    return measure(args.load, args.repeats, args.quantize_base)
 
 
 if __name__ == "__main__":
