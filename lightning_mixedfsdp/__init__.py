@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_, total_grad_norm
 from lightning_mixedfsdp.checkpoint import load_full_weights, load_weights
-from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
+from lightning_mixedfsdp.config import FaultTolerance, MixedFSDPConfig, MixedFSDPConfigError
 from lightning_mixedfsdp.planning.matching import find_keep_fp32_params
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
@@ -55,6 +55,7 @@ _register()
 
 __all__ = [
     "DtypeKey",
+    "FaultTolerance",
     "MixedFSDPConfig",
     "MixedFSDPConfigError",
     "MixedFSDPPrecision",

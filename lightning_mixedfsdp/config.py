@@ -46,6 +46,100 @@ class MixedFSDPConfigError(ValueError):
 
 
 @dataclass
+class FaultTolerance:
+    """Fault-tolerant replica groups (torchft): each group is one ordinary launch whose ranks shard as usual; across
+    groups every gradient is averaged through torchft's ``Manager``, a step commits only where that reduction
+    succeeded, and a group that dies and restarts heals from a live one. A mapping of these fields is accepted
+    wherever this class is."""
+
+    replica_id: Optional[int] = None
+    """This launch's replica group, ``0 <= replica_id < num_replica_groups`` (required). A restarted group keeps its
+    id."""
+
+    num_replica_groups: Optional[int] = None
+    """How many replica groups the job runs (required): the data splits into that many parts times each group's
+    data-parallel ranks, and group ``replica_id`` draws its own part, whether or not the others are alive."""
+
+    lighthouse: Optional[str] = None
+    """The torchft lighthouse's URL (``http://host:29510``); ``None``: ``$TORCHFT_LIGHTHOUSE``. Start it yourself with
+    ``torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000`` from the torchft the trainers import."""
+
+    min_replicas: int = 1
+    """Fewest replica groups a step may commit with; a step with fewer participants is discarded."""
+
+    timeout_s: float = 60.0
+    """Seconds a cross-group reduction, commit vote or heal transfer may take before the step is discarded."""
+
+    quorum_timeout_s: float = 60.0
+    """Seconds a step waits for the lighthouse to form a quorum."""
+
+    connect_timeout_s: float = 10.0
+    """Seconds to reach the lighthouse (and a peer's manager) before setup fails with the URL."""
+
+    @classmethod
+    def from_input(cls, value: "Union[FaultTolerance, Mapping[str, Any]]") -> "FaultTolerance":
+        """A ``FaultTolerance`` from itself or a mapping of its fields (unknown names are refused with the valid
+        ones)."""
+        if isinstance(value, FaultTolerance):
+            return value
+        if not isinstance(value, Mapping):
+            raise MixedFSDPConfigError(
+                f"fault_tolerance={value!r} must be None, a FaultTolerance or a mapping of its fields"
+                " (replica_id, num_replica_groups, lighthouse, min_replicas, timeouts)."
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise MixedFSDPConfigError(
+                f"fault_tolerance got unknown field(s) {unknown}. Valid fields: {sorted(known)}."
+            )
+        return cls(**dict(value))
+
+    def problems(self) -> List[str]:
+        """Every problem of these settings, each with its fix; empty when valid."""
+        problems = []
+        groups = self.num_replica_groups
+        if groups is None:
+            problems.append(
+                "fault_tolerance.num_replica_groups is missing; set it to the number of replica groups the job"
+                " launches (e.g. 2)."
+            )
+        elif not _is_int(groups) or groups < 1:
+            problems.append(f"fault_tolerance.num_replica_groups={groups!r} must be an int >= 1.")
+        replica = self.replica_id
+        if replica is None:
+            problems.append(
+                "fault_tolerance.replica_id is missing; give each launch its group's id, 0 to num_replica_groups - 1"
+                " (e.g. strategy.fault_tolerance.replica_id=1)."
+            )
+        elif not _is_int(replica) or replica < 0:
+            problems.append(
+                f"fault_tolerance.replica_id={replica!r} must be an int >= 0 (0 to num_replica_groups - 1)."
+            )
+        elif isinstance(groups, int) and groups >= 1 and replica >= groups:
+            problems.append(
+                f"fault_tolerance.replica_id={replica!r} is not below num_replica_groups={groups!r}; use 0 to"
+                f" {groups - 1}, or raise num_replica_groups."
+            )
+        if not _is_int(self.min_replicas) or self.min_replicas < 1:
+            problems.append(f"fault_tolerance.min_replicas={self.min_replicas!r} must be an int >= 1.")
+        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                problems.append(f"fault_tolerance.{name}={value!r} must be a number of seconds > 0.")
+        if self.lighthouse is not None and not str(self.lighthouse).strip():
+            problems.append(
+                "fault_tolerance.lighthouse is empty; give the lighthouse's URL (http://host:29510) or None for"
+                " $TORCHFT_LIGHTHOUSE."
+            )
+        return problems
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
 class MixedFSDPConfig:
     """How ``mixed_fsdp2`` decides dtypes and FSDP groups. Usable as an OmegaConf structured config."""
 
@@ -174,6 +268,11 @@ class MixedFSDPConfig:
     float8_exclude: List[str] = field(default_factory=list)
     """Regular expressions searched in Linear module names: matches stay in the compute dtype."""
 
+    fault_tolerance: Optional[FaultTolerance] = None
+    """Fault-tolerant replica groups with torchft (:class:`FaultTolerance`, or a mapping of its fields): a dead
+    group costs the others seconds, and it heals from a live one when it restarts. Needs torchft
+    (``pip install 'lightning-mixedfsdp[ft]'``) and a lighthouse you start. ``None``: off."""
+
     print_report: bool = False
     """Log the dtype report on rank 0 when a model is set up (the ``lightning_mixedfsdp`` logger, INFO; it prints to
     stderr unless your application configured logging)."""
@@ -243,6 +342,13 @@ class MixedFSDPConfig:
                 "float8_include, float8_exclude and float8_emulate need a float8 recipe; set float8='tensorwise'"
                 " (or 'rowwise'), or leave them unset."
             )
+        if self.fault_tolerance is not None:
+            problems.extend(self.fault_tolerance.problems())
+            if self.buffer_sync == "average":
+                problems.append(
+                    "buffer_sync='average' averages buffers within one replica group only, so under fault_tolerance"
+                    " the groups' buffers would drift apart; use buffer_sync='broadcast' (or 'none')."
+                )
         if self.storage == "bf16" and self.compute_dtype == "fp32":
             problems.append(
                 "storage='bf16' with compute_dtype='fp32' conflict: fp32 compute of bf16 weights gains no precision;"
@@ -292,6 +398,8 @@ class MixedFSDPConfig:
             raise MixedFSDPConfigError(
                 f"MixedFSDPConfig got unknown field(s) {unknown}. Valid fields: {sorted(known)}."
             )
+        if kwargs.get("fault_tolerance") is not None:
+            kwargs = {**kwargs, "fault_tolerance": FaultTolerance.from_input(kwargs["fault_tolerance"])}
         return cls(**kwargs)
 
 

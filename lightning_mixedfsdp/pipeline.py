@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
+from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
@@ -47,9 +48,11 @@ def shard_model(
     meshes: ParallelMeshes,
     device: torch.device,
     parallelize: Optional[ParallelizeFn] = None,
+    cross_replica_reduce: Optional[CrossReplicaReduce] = None,
 ) -> ShardedModel:
     """Plan, apply, materialise, sync and check ``module``; ``config`` is validated already. Every data-parallel rank
-    calls it with the same model."""
+    calls it with the same model. ``cross_replica_reduce`` averages every gradient across fault-tolerant replica
+    groups, after its reduction within the group."""
     if module in _SET_UP:
         raise RuntimeError(
             f"mixed_fsdp2: this {user_class_name(module)} is already set up (sharded, with hooks installed); a second"
@@ -74,7 +77,14 @@ def shard_model(
         recompute_boundaries=config.recompute_keep_fp32_modules,
         offload_to_cpu=config.offload == "cpu",
         float8_emulate=config.float8_emulate,
+        cross_replica_reduce=cross_replica_reduce,
     )
+    if applied is None and cross_replica_reduce is not None:
+        raise ValueError(
+            "mixed_fsdp2: fault_tolerance reduces every gradient across replica groups through the dtype plan's FSDP"
+            " groups, but `parallelize_fn` (or `configure_model`) sharded the model with `fully_shard` itself. Remove"
+            " `fully_shard` from it (tensor parallelism and wrappers may stay), or set fault_tolerance=None."
+        )
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:
         materialize_sharded(
@@ -100,6 +110,10 @@ class ShardedModels:
         if sharded.applied is not None:
             self._applied[sharded.module] = sharded.applied
         return sharded.module
+
+    def modules(self) -> List[nn.Module]:
+        """The models set up with a plan, in setup order."""
+        return list(self._applied.keys())
 
     def plan_of(self, module: nn.Module) -> ShardPlan:
         module = unwrap_model(module)

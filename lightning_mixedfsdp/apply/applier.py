@@ -16,6 +16,7 @@ from lightning_mixedfsdp.apply.adapt import ClassRestore
 from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
+from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce, apply_cross_replica_reduction
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.apply.float8 import apply_float8
 from lightning_mixedfsdp.apply.quantize import apply_checkpoint_exclusion, apply_quantization
@@ -75,11 +76,14 @@ def apply_plan(
     recompute_boundaries: bool = True,
     offload_to_cpu: bool = False,
     float8_emulate: bool = False,
+    cross_replica_reduce: Optional[CrossReplicaReduce] = None,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
     when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
     shards it itself. ``offload_to_cpu``: every ``fully_shard`` keeps its params, grads and optimizer states in host
-    memory (FSDP2's ``CPUOffloadPolicy``). ``float8_emulate``: the plan's float8 layers emulate float8 matmuls."""
+    memory (FSDP2's ``CPUOffloadPolicy``). ``float8_emulate``: the plan's float8 layers emulate float8 matmuls.
+    ``cross_replica_reduce``: every gradient is also averaged across fault-tolerant replica groups by it, after its
+    reduction within the group."""
     if _already_sharded(model):
         return model, None
     apply_dtypes(model, plan)
@@ -120,6 +124,8 @@ def apply_plan(
         apply_fully_shard(index, group, meshes, reshard_after_forward, ignored, offload_to_cpu)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
+    if cross_replica_reduce is not None:
+        apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
     if float8_after_step is not None:
         applied.after_step.append(float8_after_step)

@@ -112,6 +112,8 @@ class ReplicatedGradReducer:
         self._divide_factor = divide_factor
         self._all_present: Dict[torch.dtype, Tensor] = {}
         self.requires_gradient_sync = True
+        self.cross_replica_reduce: Optional[Callable[[Tensor], None]] = None
+        """Averages each reduced bucket across replica groups too (fault tolerance); None: one replica group."""
 
     @property
     def num_buckets(self) -> int:
@@ -141,6 +143,9 @@ class ReplicatedGradReducer:
             else:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self._group)
                 flat.div_(factor)
+            if self.cross_replica_reduce is not None:
+                # the presence flags are averaged too: a param some group had a grad for stays present
+                self.cross_replica_reduce(flat)
             present = flat[-len(params) :].tolist() if missing else None
             offset = 0
             for index, (param, grad) in enumerate(zip(params, grads, strict=True)):

@@ -84,6 +84,7 @@ def plan_validated(model: nn.Module, config: MixedFSDPConfig, bulk: BulkDtypes, 
         float8=Float8Options(
             config.float8, config.float8_skip_small, tuple(config.float8_include), tuple(config.float8_exclude)
         ),
+        replica_groups=config.fault_tolerance.num_replica_groups if config.fault_tolerance is not None else None,
     )
 
 
@@ -102,6 +103,7 @@ def plan_model(
     shard_ranks: int = 1,
     offload: Optional[str] = None,
     float8: Optional["Float8Options"] = None,
+    replica_groups: Optional[int] = None,
 ) -> ShardPlan:
     """:func:`plan_sharding` with plain, already validated values: one matching pass, one frozen-module pass. With
     ``expert_parallel_size > 1`` each experts module becomes its own unit (``ShardGroup.expert``).
@@ -111,7 +113,8 @@ def plan_model(
 
     ``quantize_base`` picks the frozen base weights stored in 4 bits (``quantization.py``) for params sharded over
     ``shard_ranks``; ``offload`` is recorded for the report and the memory estimate; ``float8`` picks the Linear
-    layers that train in float8 (``float8.py``)."""
+    layers that train in float8 (``float8.py``); ``replica_groups`` (fault tolerance) records the torchft replica groups
+    every gradient is also averaged across."""
     if mixed_dtype_groups is None:
         mixed_dtype_groups = fsdp_groups_can_mix_dtypes()
     index = ModuleIndex(model)
@@ -173,6 +176,7 @@ def plan_model(
         float8_recipe=float8.recipe,
         float8=float8_choices,
         float8_left_experts=fused_experts(index) if float8.recipe is not None else (),
+        replica_groups=replica_groups,
         non_persistent_buffers=frozenset(
             canonical_name(f"{module_name}.{buffer}" if module_name else buffer)
             for module_name, module in index.named_modules()

@@ -88,6 +88,7 @@ def format_plan(plan: ShardPlan) -> str:
         summary += expert_lines(plan)
     summary += quantization_lines(plan)
     summary += float8_lines(plan)
+    summary += fault_tolerance_lines(plan)
     if plan.offload is not None:
         summary.append(
             f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
@@ -99,6 +100,17 @@ def format_plan(plan: ShardPlan) -> str:
     if plan.warnings:
         lines += [""] + [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def fault_tolerance_lines(plan: ShardPlan) -> List[str]:
+    """The fault-tolerant dim: the replica groups and the reductions across them, by reduce dtype."""
+    if plan.replica_groups is None:
+        return []
+    by_dtype = ", ".join(f"{count} in {short_dtype(dtype)}" for dtype, count in plan.cross_replica_reductions().items())
+    return [
+        f"fault-tolerant replica dim (torchft): {plan.replica_groups} replica groups; every step each dtype group's"
+        f" gradients are also averaged across them in its reduce dtype ({by_dtype or 'none trainable'})"
+    ]
 
 
 def expert_lines(plan: ShardPlan, expert_shard_ranks: Optional[int] = None) -> List[str]:

@@ -149,6 +149,22 @@ class ShardPlan:
     """With a float8 recipe: every ``nn.Linear`` module's decision, with its reason."""
     float8_left_experts: Tuple[str, ...] = ()
     """With a float8 recipe: the fused MoE experts modules, which stay in the compute dtype."""
+    replica_groups: Optional[int] = None
+    """Fault tolerance: the torchft replica groups every gradient is also averaged across, each group's in its own
+    reduce dtype; None: off."""
+
+    def cross_replica_reductions(self) -> Dict[torch.dtype, int]:
+        """With fault tolerance: the all-reduces across replica groups per step, by reduce dtype (one per trainable
+        sharded group, one per replicated bucket); empty without."""
+        if self.replica_groups is None:
+            return {}
+        counts: Dict[torch.dtype, int] = {}
+        for group in self.sharded_groups:
+            if any(self.params[p].requires_grad for p in group.params):
+                counts[group.key.reduce] = counts.get(group.key.reduce, 0) + 1
+        for dtype in {self.params[p].key.reduce for p in self.replicated_params if self.params[p].requires_grad}:
+            counts[dtype] = counts.get(dtype, 0) + 1
+        return counts
 
     @property
     def float8_modules(self) -> Tuple[str, ...]:
@@ -229,6 +245,8 @@ class ShardPlan:
             "reduce_scatter": len(trainable),
             "all_reduce": (len(trainable) if hsdp else 0) + len(replicated_dtypes),
         }
+        if self.replica_groups is not None:
+            predicted["cross_replica_all_reduce"] = sum(self.cross_replica_reductions().values())
         if self.experts is not None:
             all_to_alls = self.experts.all_to_alls_per_step()
             predicted["all_to_all"] = all_to_alls["forward"] + all_to_alls["backward"]

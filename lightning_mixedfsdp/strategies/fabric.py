@@ -82,6 +82,19 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         return super().setup_optimizer(optimizer)
 
     @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Lightning's step; under fault tolerance only when torchft's vote commits it (a discarded step drops its
+        grads and returns None)."""
+        if not self._commit_step(optimizer):
+            return None
+        return super().optimizer_step(optimizer, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._end_fault_tolerance()
+        super().teardown()
+
+    @override
     def save_checkpoint(
         self,
         path: PathLike,
@@ -90,10 +103,14 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """Lightning's save (a DCP folder, or one file with ``save_distributed_checkpoint=False``), written beside
-        ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact."""
+        ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact. Under fault
+        tolerance one live replica group writes it, with torchft's step counters."""
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(path, state, storage_options=storage_options)
+        if not self._writes_checkpoints():  # fault tolerance: another live replica group writes this one
+            return
+        state = self._with_replica_state(state)
         optimizers, module = _optimizers_and_model(state)
         with self._saving_optimizers(module, optimizers) as absent:
             to_save = {**state, ABSENT_STATE_KEY: absent} if absent else state
@@ -108,6 +125,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         with self._loading_optimizers(path, module, optimizers, weights_only):
             remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         remainder.pop(ABSENT_STATE_KEY, None)
+        self._restore_replica_state(remainder)
         return remainder
 
     @override
@@ -120,11 +138,14 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
+        # a step whose reduction across replica groups failed is discarded at its vote: its grads may be garbage
+        session = self._replica_session
+        failed = session is not None and session.reduction_failed
         return clip_grad_norm_(
             self.precision.main_params(optimizer),
             max_norm,
             norm_type,
-            error_if_nonfinite,
+            error_if_nonfinite and not failed,
             nonfinite_check=self._config.nonfinite_check,
         )
 

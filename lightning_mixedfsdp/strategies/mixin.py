@@ -3,9 +3,10 @@ precision intake (``MixedFSDPConfig.from_input``, ``precision.adopt_precision``)
 handing a module to ``shard_model``, and the optimizer-state hooks around Lightning's own save and load; the work
 itself lives in the rooms below (``mesh.py``, ``pipeline.py``, ``checkpoint/``)."""
 
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 from weakref import WeakSet
 
 import torch
@@ -21,6 +22,8 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
     standing_in_for_state_ranks_lack,
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.fault_tolerance.heal import HealSources
+from lightning_mixedfsdp.fault_tolerance.session import ReplicaGroupSession
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, check_sizes
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.planner import ShardPlan
@@ -28,6 +31,8 @@ from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision, TPlugin
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
 STRATEGY_NAME = "mixed_fsdp2"
+REPLICA_STATE_KEY = "torchft"
+"""The checkpoint entry holding torchft's step counters, written under fault tolerance; a plain run ignores it."""
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
 
@@ -75,6 +80,9 @@ class MixedFSDP2Mixin:
         self._meshes = None
         self._sharded = ShardedModels()
         self._watched: "WeakSet[Optimizer]" = WeakSet()
+        # in setup order, the same on every replica group: what a heal transfers, optimizer by optimizer
+        self._optimizer_order: List["weakref.ref[Optimizer]"] = []
+        self._replica_session: Optional[ReplicaGroupSession] = None
         # the zero-lr steps that make optimizer state around a save or load are no training steps
         self._making_optimizer_state = False
 
@@ -105,8 +113,28 @@ class MixedFSDP2Mixin:
         return self._meshes
 
     @property
+    def torchft_manager(self) -> Any:
+        """torchft's own ``Manager`` of this replica group (``current_step()``, ``num_participants()``,
+        ``register_state_dict_fn(...)`` for state a heal should carry, such as an LR scheduler under Fabric)."""
+        if self._replica_session is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: torchft_manager exists with fault_tolerance set, once the processes are"
+                " launched (after `fabric.launch()`, or in the Trainer's fit)."
+            )
+        return self._replica_session.manager
+
+    @property
+    def replica_session(self) -> Optional[ReplicaGroupSession]:
+        """This replica group's fault-tolerance session (None without ``fault_tolerance``)."""
+        return self._replica_session
+
+    @property
     def distributed_sampler_kwargs(self) -> dict:
+        """The data-parallel ranks; under fault tolerance every replica group's ranks, so each group draws its own
+        part of the data."""
         mesh = self.meshes.data_parallel
+        if self._replica_session is not None:
+            return self._replica_session.sampler_kwargs(mesh.size(), mesh.get_local_rank())
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     def setup_environment(self) -> None:
@@ -128,6 +156,57 @@ class MixedFSDP2Mixin:
         destroy_process_group_at_exit()
         self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
         self._device_mesh = self._meshes.root
+        settings = self._config.fault_tolerance
+        if settings is not None and self._replica_session is None:
+            self._replica_session = ReplicaGroupSession.start(
+                settings,
+                self.root_device,
+                group_rank=self.global_rank,
+                group_world_size=self.world_size,
+                agree=lambda value: self.broadcast(value, src=0),
+                sources=self._heal_sources,
+                owner=type(self).__name__,
+            )
+
+    def _heal_sources(self) -> HealSources:
+        optimizers = [optimizer for optimizer in (ref() for ref in self._optimizer_order) if optimizer is not None]
+        return HealSources(self._sharded.modules(), optimizers, self._heal_others())
+
+    def _heal_others(self) -> Sequence[Any]:
+        """Other stateful objects a heal carries (the Trainer's LR schedulers)."""
+        return ()
+
+    def _commit_step(self, optimizer: Optimizer) -> bool:
+        """Under fault tolerance, torchft's vote on this step: when it is discarded, its grads are dropped and
+        ``optimizer`` does not step. Always True without."""
+        if self._replica_session is None or self._making_optimizer_state:
+            return True
+        committed = self._replica_session.commit()
+        if not committed:
+            optimizer.zero_grad(set_to_none=True)
+        return committed
+
+    def _writes_checkpoints(self) -> bool:
+        """Whether this launch writes checkpoints: always, except under fault tolerance, where one live replica
+        group writes each."""
+        return self._replica_session is None or self._replica_session.writes_checkpoints()
+
+    def _with_replica_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        if self._replica_session is None:
+            return state
+        return {**state, REPLICA_STATE_KEY: self._replica_session.state_dict()}
+
+    def _restore_replica_state(self, remainder: Dict[str, Any]) -> None:
+        """Take torchft's step counters out of a loaded checkpoint's remainder; restore them under fault
+        tolerance (a plain run drops them)."""
+        replica_state = remainder.pop(REPLICA_STATE_KEY, None)
+        if replica_state is not None and self._replica_session is not None:
+            self._replica_session.load_state_dict(replica_state)
+
+    def _end_fault_tolerance(self) -> None:
+        if self._replica_session is not None:
+            self._replica_session.shutdown()
+            self._replica_session = None
 
     def _shard(
         self, module: nn.Module, precision: MixedFSDPPrecision, parallelize: Optional[ParallelizeFn]
@@ -135,7 +214,18 @@ class MixedFSDP2Mixin:
         """Hand ``module`` to the pipeline; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
         precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
-        sharded = shard_model(module, self._config, precision.bulk, self.meshes, self.root_device, parallelize)
+        session = self._replica_session
+        sharded = shard_model(
+            module,
+            self._config,
+            precision.bulk,
+            self.meshes,
+            self.root_device,
+            parallelize,
+            cross_replica_reduce=session.reduce if session is not None else None,
+        )
+        if session is not None and sharded.applied is not None:
+            sharded.applied.handles.append(session.watch(sharded.module))
         if sharded.applied is None:
             mixed = mixed_dtype_fsdp_groups(sharded.module)
             if mixed:
@@ -155,6 +245,7 @@ class MixedFSDP2Mixin:
         if optimizer not in self._watched:
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
+            self._optimizer_order.append(weakref.ref(optimizer))
 
     @contextmanager
     def _saving_optimizers(

@@ -2,13 +2,14 @@
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Dict, Generator, Optional, Union
+from typing import Any, Callable, Dict, Generator, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -106,6 +107,32 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             self._watch_optimizer(optimizer)
 
     @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's step; under fault tolerance the closure (forward, backward) runs first and the update only
+        when torchft's vote commits the step, as a loss scaler skips one (a discarded step drops its grads)."""
+        if self._replica_session is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        result = closure()
+        if not self._commit_step(optimizer):
+            return result
+        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+
+    @override
+    def _heal_others(self) -> Sequence[Any]:
+        return [config.scheduler for config in self.lr_scheduler_configs]
+
+    @override
+    def teardown(self) -> None:
+        self._end_fault_tolerance()
+        super().teardown()
+
+    @override
     def model_to_device(self) -> None:
         """Shard every child that holds params (``fully_shard`` moves each shard to the device itself, so no rank
         holds the unsharded model on it), then move the rest (metrics, buffers of param-less children)."""
@@ -151,6 +178,9 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(checkpoint, filepath, storage_options=storage_options)
         absent = self._absent_state.take()
+        if not self._writes_checkpoints():  # fault tolerance: another live replica group writes this one
+            return
+        checkpoint = self._with_replica_state(checkpoint)
         to_save = {**checkpoint, ABSENT_STATE_KEY: absent} if absent else checkpoint
         self._save_atomically(filepath, lambda temp: write(to_save, temp))
 
@@ -161,9 +191,10 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         with self._loading_optimizers(path, self.lightning_module, optimizers, weights_only):
             checkpoint = super().load_checkpoint(path, weights_only=weights_only)
         checkpoint.pop(ABSENT_STATE_KEY, None)
+        self._restore_replica_state(checkpoint)
         return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
-        if self.is_global_zero:
+        if self.is_global_zero and self._writes_checkpoints():
             remove_path(filepath)

@@ -1,0 +1,103 @@
+"""Replica groups as separate launches, the way a user runs them: a lighthouse in the test process, each group's
+ranks as processes with their own MASTER_PORT (what torchrun gives each launch), killed with SIGKILL and restarted
+by the test. The ranks run ``tests/fault_tolerance/worker.py`` and report through JSON lines."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from tests.launch import _free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_lighthouse() -> Any:
+    """torchft's lighthouse: quorums every 50 ms, a group silent for 1 s is dead, a new quorum waits 1 s for joiners."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+    )
+
+
+class Group:
+    """One replica group's launch: ``world`` rank processes."""
+
+    def __init__(self, replica_id: int, lighthouse: str, folder: Path, world: int = 2, extra: List[str] = ()) -> None:
+        port = _free_port()
+        self.replica_id = replica_id
+        self.processes: List[subprocess.Popen] = []
+        for rank in range(world):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "NODE_RANK": "0",
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1",
+            }
+            command = [sys.executable, "-m", "tests.fault_tolerance.worker", "--replica-id", str(replica_id)]
+            command += ["--lighthouse", lighthouse, "--folder", str(folder), *extra]
+            stderr = (folder / f"g{replica_id}_r{rank}.stderr").open("a")
+            self.processes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=stderr, stderr=stderr))
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGKILL)
+        for process in self.processes:
+            process.wait(timeout=30)
+
+    def exit_codes(self) -> List[Optional[int]]:
+        return [process.poll() for process in self.processes]
+
+    def wait(self, timeout: float) -> List[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for process in self.processes:
+            codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
+        return codes
+
+
+def records(folder: Path, replica_id: int, rank: int) -> List[Dict[str, Any]]:
+    path = folder / f"g{replica_id}_r{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def steps(folder: Path, replica_id: int, rank: int = 0, since_pid: Optional[int] = None) -> List[Dict[str, Any]]:
+    return [
+        r
+        for r in records(folder, replica_id, rank)
+        if r["event"] == "step" and (since_pid is None or r["pid"] == since_pid)
+    ]
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float, groups: List[Group], folder: Path) -> None:
+    """Poll ``condition``; fail with every rank's stderr tail when it does not come, or a rank dies unasked."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}\n{stderr_tails(folder)}")
+        for group in groups:
+            if any(code not in (None, 0) for code in group.exit_codes()):
+                raise AssertionError(f"group {group.replica_id} died while waiting for {what}\n{stderr_tails(folder)}")
+        time.sleep(0.1)
+
+
+def stderr_tails(folder: Path, lines: int = 30) -> str:
+    tails = []
+    for path in sorted(folder.glob("*.stderr")):
+        text = path.read_text().splitlines()[-lines:]
+        tails.append(f"--- {path.name}\n" + "\n".join(text))
+    return "\n".join(tails)

@@ -1,0 +1,214 @@
+"""Two replica groups of two ranks under fault tolerance (torchft 0.2.0, gloo), an HF Llama with fp32 norms in
+bf16-true, trained by a Fabric script with gradient accumulation, activation checkpointing and clipping
+(``worker.py``). One run, in the order a user meets it:
+
+1. both groups train; their params and optimizer states are equal to the bit after every step, while each draws its
+   own data (the cross-group reduction);
+2. group 1 SIGKILLs itself inside a cross-group all-reduce: group 0 discards that step (its state unchanged) and goes
+   on alone, its step count never going back;
+3. group 1 restarts, heals from group 0 to group 0's step (never from 0), and both are equal to the bit again;
+4. the test SIGKILLs group 1 at an arbitrary point, restarts it, and it heals again;
+5. both save at one step: exactly one group writes; the checkpoint resumes a plain (no fault tolerance) run, and both
+   groups restarted from it go on from its step, equal to the bit.
+"""
+
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from tests.fault_tolerance.groups import Group, start_lighthouse, steps, wait_until
+from tests.launch import run_distributed
+
+pytest.importorskip("torchft")
+
+FAULT_STEP = 6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    folder = tmp_path_factory.mktemp("fault_tolerance")
+    lighthouse = start_lighthouse()
+    url = lighthouse.address()
+    timeline: Dict[str, Any] = {"folder": folder}
+    survivor = Group(0, url, folder)
+    victim = Group(1, url, folder, extra=["--die-in-reduce-at", str(FAULT_STEP)])
+    groups = [survivor, victim]
+    try:
+        # 1-2: group 1 dies inside the reduction of step FAULT_STEP
+        deadline = time.monotonic() + 120
+        while victim.exit_codes() != [-9, -9]:
+            assert time.monotonic() < deadline, f"group 1 did not die: {victim.exit_codes()}"
+            assert all(code in (None, -9) for code in victim.exit_codes()), victim.exit_codes()
+            time.sleep(0.1)
+        timeline["first_kill"] = time.time()
+        groups = [survivor]
+        wait_until(lambda: _alone_commits(folder) >= 3, "group 0 to commit alone", 60, groups, folder)
+        # 3: restart, heal
+        restarted = Group(1, url, folder)
+        groups = [survivor, restarted]
+        timeline["first_restart_pid"] = restarted.processes[0].pid
+        wait_until(
+            lambda: len(steps(folder, 1, since_pid=restarted.processes[0].pid)) >= 4,
+            "group 1 to heal",
+            90,
+            groups,
+            folder,
+        )
+        # 4: a kill at an arbitrary point, a second heal
+        restarted.kill()
+        timeline["second_kill"] = time.time()
+        groups = [survivor]
+        before = _alone_commits(folder)
+        wait_until(lambda: _alone_commits(folder) >= before + 3, "group 0 to go on alone again", 60, groups, folder)
+        again = Group(1, url, folder)
+        groups = [survivor, again]
+        timeline["second_restart_pid"] = again.processes[0].pid
+        wait_until(
+            lambda: len(steps(folder, 1, since_pid=again.processes[0].pid)) >= 3, "the second heal", 90, groups, folder
+        )
+        # 5: both save at one step, then stop
+        final = max(r["step"] for r in steps(folder, 0)) + 3
+        (folder / "save").write_text(str(final))
+        (folder / "stop").write_text(str(final))
+        timeline["final"] = final
+        assert survivor.wait(90) == [0, 0]
+        assert again.wait(90) == [0, 0]
+        # every group died; both restart from the checkpoint and run two more steps
+        (folder / "stop").write_text(str(final + 2))
+        (folder / "save").unlink()
+        resumed = [Group(g, url, folder, extra=["--resume", str(folder / "checkpoint")]) for g in (0, 1)]
+        groups = resumed
+        timeline["resumed_pids"] = [g.processes[0].pid for g in resumed]
+        for group in resumed:
+            assert group.wait(120) == [0, 0]
+    except BaseException:
+        for group in groups:
+            group.kill()
+        raise
+    finally:
+        lighthouse.shutdown()
+    return timeline
+
+
+def _alone_commits(folder: Path) -> int:
+    return sum(1 for r in steps(folder, 0) if r["committed"] and r["participants"] == 1)
+
+
+def _digests(folder: Path, group: int, rank: int, pid: Any = None) -> Dict[int, str]:
+    return {r["step"]: r["digest"] for r in steps(folder, group, rank, since_pid=pid) if r["committed"]}
+
+
+def test_both_groups_equal_to_the_bit_after_every_step_before_the_kill(run: Dict[str, Any]) -> None:
+    folder = run["folder"]
+    for rank in (0, 1):
+        first = [r for r in steps(folder, 0, rank) if r["step"] <= FAULT_STEP and r["committed"]]
+        second = [r for r in steps(folder, 1, rank) if r["step"] <= FAULT_STEP and r["committed"]]
+        assert [r["step"] for r in first] == list(range(1, FAULT_STEP + 1)) == [r["step"] for r in second]
+        assert all(r["participants"] == 2 for r in first + second)
+        assert [r["digest"] for r in first] == [r["digest"] for r in second]
+        # each group drew its own data: a sampler over all four ranks, and different losses
+        assert {r["sampler"]["rank"] for r in first} == {rank} and {r["sampler"]["rank"] for r in second} == {2 + rank}
+        assert all(r["sampler"]["num_replicas"] == 4 for r in first + second)
+        assert [r["loss"] for r in first] != [r["loss"] for r in second]
+
+
+def test_the_step_whose_reduction_a_dying_peer_broke_is_discarded_on_the_survivor(run: Dict[str, Any]) -> None:
+    for rank in (0, 1):
+        records = steps(run["folder"], 0, rank)
+        faulty = [i for i, r in enumerate(records) if r["committed"] is False]
+        assert faulty, "no step was discarded"
+        index = faulty[0]
+        # group 1 died in the step after its FAULT_STEP-th commit
+        assert records[index]["step"] == records[index - 1]["step"] == FAULT_STEP
+        # nothing of the discarded step was applied: params and optimizer states as the step before
+        assert records[index]["digest"] == records[index - 1]["digest"]
+
+
+def test_the_survivor_goes_on_alone_and_its_step_count_never_goes_back(run: Dict[str, Any]) -> None:
+    for rank in (0, 1):
+        records = steps(run["folder"], 0, rank)
+        counts = [r["step"] for r in records]
+        assert counts == sorted(counts)
+        for previous, record in pairwise(records):
+            assert record["step"] == previous["step"] + (1 if record["committed"] else 0)
+        alone = [r for r in records if r["participants"] == 1 and r["committed"]]
+        assert len(alone) >= 6  # after each of the two kills
+
+
+@pytest.mark.parametrize("restart", ["first_restart_pid", "second_restart_pid"])
+def test_a_restarted_group_heals_to_the_survivors_step_and_then_equals_it_to_the_bit(
+    run: Dict[str, Any], restart: str
+) -> None:
+    folder = run["folder"]
+    pid = run[restart]
+    records = steps(folder, 1, 0, since_pid=pid)
+    first = records[0]
+    assert first["heal"] is not None and first["heal"]["bytes"] > 0
+    healed_at = first["heal"]["step"]
+    assert healed_at > FAULT_STEP  # never from 0
+    assert first["step"] == healed_at + 1
+    for rank in (0, 1):
+        healed = _digests(folder, 1, rank, pid=None if rank else pid)
+        live = _digests(folder, 0, rank)
+        common = [s for s in healed if s in live and s > healed_at]
+        assert len(common) >= 3
+        assert [healed[s] for s in common] == [live[s] for s in common]
+
+
+def test_one_group_writes_the_checkpoint_and_it_resumes_both_groups_at_its_step(run: Dict[str, Any]) -> None:
+    from tests.fault_tolerance.groups import records
+
+    folder, final = run["folder"], run["final"]
+    saves = [r for g in (0, 1) for r in records(folder, g, 0) if r["event"] == "save"]
+    assert sorted(r["wrote"] for r in saves) == [False, True]
+    for rank in (0, 1):
+        starts = [
+            r
+            for g in (0, 1)
+            for r in records(folder, g, rank)
+            if r["event"] == "start" and r["pid"] in _pids(run, rank)
+        ]
+        assert len(starts) == 2 and {r["step"] for r in starts} == {final}
+        saved = _digests(folder, 0, rank)[final]
+        # the start digest is taken after the load: params and optimizer states as saved
+        assert {r["digest"] for r in starts} == {saved}
+        after = [_digests(folder, g, rank) for g in (0, 1)]
+        assert after[0][final + 2] == after[1][final + 2]
+
+
+def _pids(run: Dict[str, Any], rank: int) -> List[int]:
+    from tests.fault_tolerance.groups import records
+
+    folder = run["folder"]
+    firsts = {g: [r["pid"] for r in records(folder, g, 0) if r["event"] == "start"] for g in (0, 1)}
+    if rank == 0:
+        return run["resumed_pids"]
+    # rank 1's processes are the ones started beside the resumed rank-0 processes: the last start of each group
+    return [[r["pid"] for r in records(folder, g, 1) if r["event"] == "start"][-1] for g in firsts]
+
+
+def test_the_checkpoint_resumes_a_plain_run(run: Dict[str, Any]) -> None:
+    folder, final = run["folder"], run["final"]
+    results = run_distributed(_resume_plainly, 2, str(folder / "checkpoint"), timeout=120)
+    for rank, (digest, loss) in enumerate(results):
+        assert digest == _digests(folder, 0, rank)[final]
+        assert loss == loss and loss < 10
+
+
+def _resume_plainly(rank: int, world_size: int, checkpoint: str) -> Any:
+    import torch
+
+    from tests.fault_tolerance.worker import build, digest
+
+    fabric, model, optimizer = build(None, None)
+    remainder = fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+    assert "torchft" not in remainder
+    loaded = digest(model, optimizer)
+    tokens = torch.arange(16).reshape(1, 16) % 64
+    loss = model(input_ids=tokens, labels=tokens).loss
+    fabric.backward(loss)
+    optimizer.step()
+    return loaded, loss.item()
