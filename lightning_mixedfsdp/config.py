@@ -82,11 +82,6 @@ class FaultTolerance:
         ones)."""
         if isinstance(value, FaultTolerance):
             return value
-        if not isinstance(value, Mapping):
-            raise MixedFSDPConfigError(
-                f"fault_tolerance={value!r} must be None, a FaultTolerance or a mapping of its fields"
-                " (replica_id, num_replica_groups, lighthouse, min_replicas, timeouts)."
-            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -288,6 +283,11 @@ class MixedFSDPConfig:
     numbers: ``{"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.gate_up_proj":
     "grouped_gemm", ...}``. ``None``: the plan the HF model declares (``config.base_model_ep_plan``)."""
 
+    def __post_init__(self) -> None:
+        # a recipe block or a strategy keyword gives the fault-tolerance settings as a mapping
+        if isinstance(self.fault_tolerance, Mapping):
+            self.fault_tolerance = FaultTolerance.from_input(self.fault_tolerance)
+
     def problems(self) -> List[str]:
         """Every problem of this config, each with its fix; empty when valid."""
         problems = []
@@ -342,7 +342,12 @@ class MixedFSDPConfig:
                 "float8_include, float8_exclude and float8_emulate need a float8 recipe; set float8='tensorwise'"
                 " (or 'rowwise'), or leave them unset."
             )
-        if self.fault_tolerance is not None:
+        if self.fault_tolerance is not None and not isinstance(self.fault_tolerance, FaultTolerance):
+            problems.append(
+                f"fault_tolerance={self.fault_tolerance!r} must be None, a FaultTolerance or a mapping of its fields"
+                " (replica_id, num_replica_groups, lighthouse, min_replicas, timeouts)."
+            )
+        elif self.fault_tolerance is not None:
             problems.extend(self.fault_tolerance.problems())
             if self.buffer_sync == "average":
                 problems.append(
@@ -398,8 +403,6 @@ class MixedFSDPConfig:
             raise MixedFSDPConfigError(
                 f"MixedFSDPConfig got unknown field(s) {unknown}. Valid fields: {sorted(known)}."
             )
-        if kwargs.get("fault_tolerance") is not None:
-            kwargs = {**kwargs, "fault_tolerance": FaultTolerance.from_input(kwargs["fault_tolerance"])}
         return cls(**kwargs)
 
 

@@ -172,6 +172,12 @@ class ReplicaGroupSession:
         self.manager.shutdown(wait=False)
 
 
+def check_fault_tolerance(settings: FaultTolerance, owner: str) -> None:
+    """What fault tolerance needs before any process starts: torchft installed, a lighthouse URL given."""
+    check_torchft(owner)
+    lighthouse_url(settings, owner)
+
+
 def lighthouse_url(settings: FaultTolerance, owner: str) -> str:
     url = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
     if not url:

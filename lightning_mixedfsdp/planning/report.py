@@ -106,7 +106,8 @@ def fault_tolerance_lines(plan: ShardPlan) -> List[str]:
     """The fault-tolerant dim: the replica groups and the reductions across them, by reduce dtype."""
     if plan.replica_groups is None:
         return []
-    by_dtype = ", ".join(f"{count} in {short_dtype(dtype)}" for dtype, count in plan.cross_replica_reductions().items())
+    counts = sorted((short_dtype(dtype), count) for dtype, count in plan.cross_replica_reductions().items())
+    by_dtype = ", ".join(f"{count} in {name}" for name, count in counts)
     return [
         f"fault-tolerant replica dim (torchft): {plan.replica_groups} replica groups; every step each dtype group's"
         f" gradients are also averaged across them in its reduce dtype ({by_dtype or 'none trainable'})"

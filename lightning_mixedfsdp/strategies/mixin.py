@@ -23,7 +23,7 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
-from lightning_mixedfsdp.fault_tolerance.session import ReplicaGroupSession
+from lightning_mixedfsdp.fault_tolerance.session import ReplicaGroupSession, check_fault_tolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, check_sizes
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.planner import ShardPlan
@@ -76,6 +76,8 @@ class MixedFSDP2Mixin:
         """Before Lightning's ``__init__``, which already calls the precision setter that needs the config."""
         self._config = MixedFSDPConfig.from_input(config, fields, type(self).__name__)
         check_sizes(data_parallel, replicate, tensor_parallel, type(self).__name__)
+        if self._config.fault_tolerance is not None:  # the missing parts of fault tolerance fail before any launch
+            check_fault_tolerance(self._config.fault_tolerance, type(self).__name__)
         self._replicate_size = replicate
         self._meshes = None
         self._sharded = ShardedModels()
