@@ -74,7 +74,19 @@ def _to_host(tensor: Tensor) -> Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def _resharded(model: nn.Module) -> nn.Module:
+    """``model`` with every FSDP group holding its shards as its params: after a forward without backward (an
+    evaluation) the root group still holds its all-gathered params, which are no rank's own part."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def _module_state(model: nn.Module) -> Dict[str, Dict[str, Tensor]]:
+    model = _resharded(model)
     params = {name: _local(p) for name, p in model.named_parameters()}
     buffers = {name: _local(b) for name, b in model.named_buffers()}
     return {
@@ -84,6 +96,7 @@ def _module_state(model: nn.Module) -> Dict[str, Dict[str, Tensor]]:
 
 
 def _load_module_state(model: nn.Module, saved: Dict[str, Dict[str, Tensor]]) -> int:
+    model = _resharded(model)
     received = 0
     for kind, named in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
         values = saved[kind]

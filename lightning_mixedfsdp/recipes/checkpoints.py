@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.run_folder import RunFolder, saved_at
 from lightning_mixedfsdp.recipes.stopping import StopRequest
+from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
 
 class RunCheckpoints(Callback):
@@ -69,7 +70,10 @@ class RunCheckpoints(Callback):
 
     def _save(self, trainer: pl.Trainer, path: Path) -> None:
         trainer.save_checkpoint(path, weights_only=False)
-        rank_zero_info(f"checkpoint: {path} (step {trainer.global_step})")
+        strategy = trainer.strategy
+        writes = strategy.writes_checkpoints() if isinstance(strategy, MixedFSDP2Strategy) else True
+        where = path if writes else f"{path.name} in another replica group's run folder"  # fault tolerance
+        rank_zero_info(f"checkpoint: {where} (step {trainer.global_step})")
 
     def _remove_old(self, trainer: pl.Trainer) -> None:
         """Keep the ``keep`` numbered checkpoints saved last (by save time, so an earlier branch of the run goes

@@ -190,6 +190,16 @@ def dry_run(recipe: Recipe) -> None:
     print(format_summary(plan, estimate, world, replicate, None))
 
 
+def with_replica_folder(recipe: Recipe) -> Recipe:
+    """Under fault tolerance each replica group is its own launch with its own run folder,
+    ``output.dir/replica_<id>`` (console log, metrics, plot, export); checkpoints land in the folder of the group that
+    wrote them, and ``--resume last`` of any group may start from its own (a group behind heals from one ahead)."""
+    settings = recipe.strategy.fault_tolerance
+    if settings is not None:
+        recipe.output.dir = str(Path(recipe.output.dir) / f"replica_{settings.replica_id}")
+    return recipe
+
+
 def quiet_known_warnings() -> None:
     """Lightning 2.6's CombinedLoader flattens the dataloaders with ``LeafSpec()``, which torch 2.13 deprecates
     (a FutureWarning, once per rank, about Lightning's code, not the user's); silenced at that call site only."""
@@ -234,6 +244,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.dry_run:
         dry_run(recipe)
         return
+    recipe = with_replica_folder(recipe)
     folder = RunFolder(Path(recipe.output.dir))
     try:
         checkpoint = resume_from(folder, args.resume, recipe.trainer.max_steps, SLURMEnvironment.detect())

@@ -108,7 +108,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(path, state, storage_options=storage_options)
-        if not self._writes_checkpoints():  # fault tolerance: another live replica group writes this one
+        if not self.writes_checkpoints():  # fault tolerance: another live replica group writes this one
             return
         state = self._with_replica_state(state)
         optimizers, module = _optimizers_and_model(state)

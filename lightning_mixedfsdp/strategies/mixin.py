@@ -188,7 +188,7 @@ class MixedFSDP2Mixin:
             optimizer.zero_grad(set_to_none=True)
         return committed
 
-    def _writes_checkpoints(self) -> bool:
+    def writes_checkpoints(self) -> bool:
         """Whether this launch writes checkpoints: always, except under fault tolerance, where one live replica
         group writes each."""
         return self._replica_session is None or self._replica_session.writes_checkpoints()

@@ -17,7 +17,11 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
 from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentStateRecord
 from lightning_mixedfsdp.mesh import MeshSize
-from lightning_mixedfsdp.strategies.lightning_compat import optimizers_to_device, set_module_device_mesh
+from lightning_mixedfsdp.strategies.lightning_compat import (
+    TrainerStepCounter,
+    optimizers_to_device,
+    set_module_device_mesh,
+)
 from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, refuse_fsdp1_modules
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
@@ -125,7 +129,10 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
     @override
     def _heal_others(self) -> Sequence[Any]:
-        return [config.scheduler for config in self.lr_scheduler_configs]
+        """The LR schedulers, and the Trainer's step count (a healed group stops at ``max_steps`` with the others)."""
+        assert self.lightning_module is not None
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        return [*schedulers, TrainerStepCounter(self.lightning_module.trainer)]
 
     @override
     def teardown(self) -> None:
@@ -178,7 +185,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(checkpoint, filepath, storage_options=storage_options)
         absent = self._absent_state.take()
-        if not self._writes_checkpoints():  # fault tolerance: another live replica group writes this one
+        if not self.writes_checkpoints():  # fault tolerance: another live replica group writes this one
             return
         checkpoint = self._with_replica_state(checkpoint)
         to_save = {**checkpoint, ABSENT_STATE_KEY: absent} if absent else checkpoint
@@ -196,5 +203,5 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:
-        if self.is_global_zero and self._writes_checkpoints():
+        if self.is_global_zero and self.writes_checkpoints():
             remove_path(filepath)

@@ -136,7 +136,7 @@ def main() -> None:
         if save is not None and step == save and saved_at != step:
             fabric.save(args.folder / "checkpoint", {"model": model, "optimizer": optimizer})
             saved_at = step
-            write({"event": "save", "step": step, "wrote": strategy._writes_checkpoints()})
+            write({"event": "save", "step": step, "wrote": strategy.writes_checkpoints()})
         if stop is not None and step >= stop:
             break
         sampler = strategy.distributed_sampler_kwargs
