@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from tests.launch import _free_port
 
@@ -28,7 +28,15 @@ def start_lighthouse() -> Any:
 class Group:
     """One replica group's launch: ``world`` rank processes."""
 
-    def __init__(self, replica_id: int, lighthouse: str, folder: Path, world: int = 2, extra: List[str] = ()) -> None:
+    def __init__(
+        self,
+        replica_id: Optional[int],
+        lighthouse: Optional[str],
+        folder: Path,
+        world: int = 2,
+        extra: Sequence[str] = (),
+        module: str = "tests.fault_tolerance.worker",
+    ) -> None:
         port = _free_port()
         self.replica_id = replica_id
         self.processes: List[subprocess.Popen] = []
@@ -42,11 +50,13 @@ class Group:
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world),
                 "NODE_RANK": "0",
-                "PYTHONPATH": str(ROOT),
+                # after a compat torch's folder (.ci/compat), which must come before the venv's torch
+                "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
                 "OMP_NUM_THREADS": "1",
             }
-            command = [sys.executable, "-m", "tests.fault_tolerance.worker", "--replica-id", str(replica_id)]
-            command += ["--lighthouse", lighthouse, "--folder", str(folder), *extra]
+            command = [sys.executable, "-m", module, "--folder", str(folder), *extra]
+            if replica_id is not None and lighthouse is not None:
+                command += ["--replica-id", str(replica_id), "--lighthouse", lighthouse]
             stderr = (folder / f"g{replica_id}_r{rank}.stderr").open("a")
             self.processes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=stderr, stderr=stderr))
 

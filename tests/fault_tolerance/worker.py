@@ -51,7 +51,7 @@ def read_step(path: Path) -> Optional[int]:
         return None
 
 
-def strategy_for(replica_id: Optional[int], lighthouse: Optional[str]) -> Any:
+def strategy_for(replica_id: Optional[int], lighthouse: Optional[str], replicate: int = 1) -> Any:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
     fault_tolerance: Optional[Dict[str, Any]] = None
@@ -66,21 +66,26 @@ def strategy_for(replica_id: Optional[int], lighthouse: Optional[str]) -> Any:
         )
     # 200 bytes: the blocks' fp32 norms (256 bytes per block) are sharded groups, the final norm is replicated
     return MixedFSDP2Strategy(
-        fault_tolerance=fault_tolerance, replicate_below_bytes=200, activation_checkpointing="full"
+        fault_tolerance=fault_tolerance,
+        data_parallel_replicate_size=replicate,
+        replicate_below_bytes=200,
+        activation_checkpointing="full",
     )
 
 
-def build(replica_id: Optional[int], lighthouse: Optional[str]) -> Any:
+def build(
+    replica_id: Optional[int], lighthouse: Optional[str], world: int = GROUP_WORLD, replicate: int = 1, **sizes: Any
+) -> Any:
+    """Fabric, the set-up model and its optimizer; ``sizes`` override the tiny Llama config (the benchmark's)."""
     from lightning.fabric import Fabric
 
     from tests.hf_models import tiny_model
 
-    fabric = Fabric(
-        accelerator="cpu", devices=GROUP_WORLD, strategy=strategy_for(replica_id, lighthouse), precision="bf16-true"
-    )
+    strategy = strategy_for(replica_id, lighthouse, replicate)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-true")
     fabric.launch()
     with fabric.init_module():
-        model = tiny_model("llama")
+        model = tiny_model("llama", **sizes)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     return fabric, model, optimizer
