@@ -72,8 +72,8 @@ class RunCheckpoints(Callback):
         trainer.save_checkpoint(path, weights_only=False)
         strategy = trainer.strategy
         writes = strategy.writes_checkpoints() if isinstance(strategy, MixedFSDP2Strategy) else True
-        where = path if writes else f"{path.name} in another replica group's run folder"  # fault tolerance
-        rank_zero_info(f"checkpoint: {where} (step {trainer.global_step})")
+        by = "" if writes else ", written by another replica group"  # fault tolerance: one group writes each
+        rank_zero_info(f"checkpoint: {path} (step {trainer.global_step}{by})")
 
     def _remove_old(self, trainer: pl.Trainer) -> None:
         """Keep the ``keep`` numbered checkpoints saved last (by save time, so an earlier branch of the run goes

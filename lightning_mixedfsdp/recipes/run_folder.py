@@ -26,10 +26,21 @@ class RunFolderError(RuntimeError):
 @dataclass(frozen=True)
 class RunFolder:
     root: Path
+    shared_checkpoints: Optional[Path] = None
+    """Under fault tolerance, the checkpoints folder every replica group's run folder shares (each checkpoint is
+    written by one group); None: ``root/checkpoints``."""
+
+    @classmethod
+    def of(cls, output_dir: str, replica_id: Optional[int] = None) -> "RunFolder":
+        """The run folder of ``output.dir``; for a fault-tolerant replica group, ``output.dir/replica_<id>`` (console
+        log, metrics, plot, export) with the job's one ``output.dir/checkpoints``."""
+        if replica_id is None:
+            return cls(Path(output_dir))
+        return cls(Path(output_dir) / f"replica_{replica_id}", Path(output_dir) / "checkpoints")
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.shared_checkpoints if self.shared_checkpoints is not None else self.root / "checkpoints"
 
     @property
     def last(self) -> Path:
@@ -106,7 +117,8 @@ def resume_from(folder: RunFolder, resume: Optional[str], max_steps: int, under_
     ``--resume last`` takes the newest checkpoint in the run folder, ``--resume PATH`` that one. Without
     ``--resume``, a folder that holds checkpoints is refused (a fresh run would mix its checkpoints with the earlier
     run's), except under SLURM, where a requeued job reruns its command unchanged and continues, as Lightning's own
-    requeue does. A checkpoint already at ``max_steps`` is refused too: there is nothing to train.
+    requeue does, and for a fault-tolerant replica group (``under_slurm=True`` for both), restarted with its command
+    unchanged. A checkpoint already at ``max_steps`` is refused too: there is nothing to train.
     """
     latest = folder.latest_checkpoint()
     if resume is None:

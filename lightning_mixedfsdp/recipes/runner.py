@@ -69,7 +69,7 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
 
 
 def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
-    output = Path(recipe.output.dir)
+    output = run_folder(recipe).root
     kwargs = recipe.strategy_kwargs()
     kwargs["config"] = strategy_config(recipe)
     return pl.Trainer(
@@ -112,7 +112,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     """Train as the recipe says, from ``checkpoint`` if given; export, plot and summarise unless a stop request
     ended the run first (then say how to continue: ``command`` with ``--resume last``)."""
     pl.seed_everything(recipe.trainer.seed, verbose=False)
-    folder = RunFolder(Path(recipe.output.dir))
+    folder = run_folder(recipe)
     stop = StopRequest()
     checkpoints = RunCheckpoints(folder, recipe.trainer.checkpoint_every_n_steps, recipe.trainer.keep_checkpoints, stop)
     trainer = build_trainer(recipe, checkpoints)
@@ -152,7 +152,7 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
     ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
     from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
 
-    folder = RunFolder(Path(recipe.output.dir))
+    folder = run_folder(recipe)
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
     dtype = DTYPES[recipe.output.export_dtype]
@@ -190,14 +190,13 @@ def dry_run(recipe: Recipe) -> None:
     print(format_summary(plan, estimate, world, replicate, None))
 
 
-def with_replica_folder(recipe: Recipe) -> Recipe:
-    """Under fault tolerance each replica group is its own launch with its own run folder,
-    ``output.dir/replica_<id>`` (console log, metrics, plot, export); checkpoints land in the folder of the group that
-    wrote them, and ``--resume last`` of any group may start from its own (a group behind heals from one ahead)."""
+def run_folder(recipe: Recipe) -> RunFolder:
+    """The recipe's run folder. Under fault tolerance each replica group is its own launch with its own folder,
+    ``output.dir/replica_<id>`` (console log, metrics, plot, export), and the groups share ``output.dir/checkpoints``
+    (one group writes each checkpoint): a group restarted with its command unchanged continues from the newest one,
+    then heals from the live groups, and after every group died all of them resume from it."""
     settings = recipe.strategy.fault_tolerance
-    if settings is not None:
-        recipe.output.dir = str(Path(recipe.output.dir) / f"replica_{settings.replica_id}")
-    return recipe
+    return RunFolder.of(recipe.output.dir, settings.replica_id if settings is not None else None)
 
 
 def quiet_known_warnings() -> None:
@@ -244,10 +243,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.dry_run:
         dry_run(recipe)
         return
-    recipe = with_replica_folder(recipe)
-    folder = RunFolder(Path(recipe.output.dir))
+    folder = run_folder(recipe)
+    continues_unasked = SLURMEnvironment.detect() or recipe.strategy.fault_tolerance is not None
     try:
-        checkpoint = resume_from(folder, args.resume, recipe.trainer.max_steps, SLURMEnvironment.detect())
+        checkpoint = resume_from(folder, args.resume, recipe.trainer.max_steps, continues_unasked)
     except RunFolderError as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
