@@ -13,6 +13,7 @@ copies within 2 s are the same request, another one later aborts at once.
 
 import argparse
 import importlib.util
+import os
 import re
 import shlex
 import sys
@@ -244,7 +245,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         dry_run(recipe)
         return
     folder = run_folder(recipe)
-    continues_unasked = SLURMEnvironment.detect() or recipe.strategy.fault_tolerance is not None
+    fault_tolerant = recipe.strategy.fault_tolerance is not None
+    if fault_tolerant:  # torchft's own log: a few INFO lines per step on every rank, unless the user asked for them
+        os.environ.setdefault("RUST_LOG", "warn")
+    continues_unasked = SLURMEnvironment.detect() or fault_tolerant
     try:
         checkpoint = resume_from(folder, args.resume, recipe.trainer.max_steps, continues_unasked)
     except RunFolderError as error:

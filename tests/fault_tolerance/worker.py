@@ -51,7 +51,7 @@ def read_step(path: Path) -> Optional[int]:
         return None
 
 
-def strategy_for(replica_id: Optional[int], lighthouse: Optional[str], replicate: int = 1) -> Any:
+def strategy_for(replica_id: Optional[int], lighthouse: Optional[str], replicate: int = 1, **fields: Any) -> Any:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
     fault_tolerance: Optional[Dict[str, Any]] = None
@@ -68,24 +68,30 @@ def strategy_for(replica_id: Optional[int], lighthouse: Optional[str], replicate
     return MixedFSDP2Strategy(
         fault_tolerance=fault_tolerance,
         data_parallel_replicate_size=replicate,
-        replicate_below_bytes=200,
-        activation_checkpointing="full",
+        **{"replicate_below_bytes": 200, "activation_checkpointing": "full", **fields},
     )
 
 
 def build(
-    replica_id: Optional[int], lighthouse: Optional[str], world: int = GROUP_WORLD, replicate: int = 1, **sizes: Any
+    replica_id: Optional[int],
+    lighthouse: Optional[str],
+    world: int = GROUP_WORLD,
+    replicate: int = 1,
+    model_type: str = "llama",
+    fields: Optional[Dict[str, Any]] = None,
+    **sizes: Any,
 ) -> Any:
-    """Fabric, the set-up model and its optimizer; ``sizes`` override the tiny Llama config (the benchmark's)."""
+    """Fabric, the set-up model and its optimizer; ``fields`` go to the strategy, ``sizes`` override the tiny
+    model's config (the benchmark's)."""
     from lightning.fabric import Fabric
 
     from tests.hf_models import tiny_model
 
-    strategy = strategy_for(replica_id, lighthouse, replicate)
+    strategy = strategy_for(replica_id, lighthouse, replicate, **(fields or {}))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-true")
     fabric.launch()
     with fabric.init_module():
-        model = tiny_model("llama", **sizes)
+        model = tiny_model(model_type, **sizes)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
     return fabric, model, optimizer
@@ -107,9 +113,13 @@ def main() -> None:
     parser.add_argument("--die-in-reduce-at", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
+    parser.add_argument("--model", default="llama", help="a model type of tests/hf_models.py")
+    parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fabric, model, optimizer = build(args.replica_id, args.lighthouse)
+    fields = {"expert_parallel_size": args.expert_parallel, "compile": args.compile}
+    fabric, model, optimizer = build(args.replica_id, args.lighthouse, model_type=args.model, fields=fields)
     strategy = fabric.strategy
     manager = strategy.torchft_manager
     rank = fabric.global_rank
