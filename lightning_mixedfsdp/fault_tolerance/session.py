@@ -10,6 +10,7 @@ the same vote.
 import os
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 from urllib.parse import urlparse
@@ -67,6 +68,8 @@ class ReplicaGroupSession:
         every rank (a broadcast), so an unreachable lighthouse fails every rank with the same error, never a hang.
         ``sources`` gives the objects a heal reads or writes, when one happens."""
         check_torchft(owner)
+        # torchft's HTTP transport hands torch.load a read-only buffer when a heal arrives; the tensors are copied
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
         lighthouse = lighthouse_url(settings, owner)
         problem = agree(lighthouse_problem(lighthouse, settings.connect_timeout_s) if group_rank == 0 else None)
         if problem is not None:

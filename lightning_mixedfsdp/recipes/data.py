@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.inputs import JSONL_SUFFIX, data_files
 from lightning_mixedfsdp.recipes.schema import DataSection
+from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
 
 Document = Union[str, bytes]
 
@@ -256,10 +257,13 @@ class TextCorpus(pl.LightningDataModule):
         assert self.trainer is not None, "the data module is used by a Trainer"
         return self.trainer
 
-    def _data_parallel(self) -> Tuple[int, int]:
+    def _data_parallel(self, evaluation: bool = False) -> Tuple[int, int]:
+        """The ranks the training stream splits over (under fault tolerance every replica group's), or with
+        ``evaluation`` this replica group's own: each group evaluates the whole held-out set."""
         strategy = self._launched().strategy
         assert isinstance(strategy, ParallelStrategy)
-        kwargs = strategy.distributed_sampler_kwargs
+        kwargs = strategy.group_sampler_kwargs if evaluation and isinstance(strategy, MixedFSDP2Mixin) else None
+        kwargs = kwargs or strategy.distributed_sampler_kwargs
         return kwargs["num_replicas"], kwargs["rank"]
 
     @override
@@ -279,7 +283,7 @@ class TextCorpus(pl.LightningDataModule):
 
     @override
     def val_dataloader(self) -> DataLoader:
-        ranks, rank = self._data_parallel()
+        ranks, rank = self._data_parallel(evaluation=True)
         assert self.val_set is not None
         # an equal share per rank: each forward all-gathers, so a rank with one more batch would wait forever
         windows = len(self.val_set) - len(self.val_set) % ranks

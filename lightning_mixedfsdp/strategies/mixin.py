@@ -131,6 +131,13 @@ class MixedFSDP2Mixin:
         return self._replica_session
 
     @property
+    def group_sampler_kwargs(self) -> dict:
+        """The data-parallel ranks of this replica group alone: for evaluation, which every group runs on the whole
+        held-out set (without fault tolerance, the same as ``distributed_sampler_kwargs``)."""
+        mesh = self.meshes.data_parallel
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+
+    @property
     def distributed_sampler_kwargs(self) -> dict:
         """The data-parallel ranks; under fault tolerance every replica group's ranks, so each group draws its own
         part of the data."""
