@@ -230,15 +230,14 @@ def test_gpu_llama_float8_table_runs_every_set_up_on_the_cpu_emulated(tmp_path) 
     assert (tmp_path / "gpu_llama_float8.json").exists()
 
 
-def test_fault_tolerance_benchmark_times_both_launches_a_kill_and_a_heal(capsys) -> None:
+def test_fault_tolerance_benchmark_times_both_launches(capsys) -> None:
+    # the kill and heal half runs the orchestration tests/fault_tolerance/test_kill_and_heal.py proves; left out here
+    # for CI's time
     pytest.importorskip("torchft")
     from benchmarks import fault_tolerance
 
-    argv = ["--hidden", "32", "--layers", "2", "--seq", "16", "--steps", "6", "--warmup", "2", "--pairs", "1"]
-    results = fault_tolerance.main(argv)
+    argv = ["--hidden", "32", "--layers", "2", "--seq", "16", "--steps", "5", "--warmup", "2", "--pairs", "1"]
+    results = fault_tolerance.main([*argv, "--no-kill"])
     pair = results["pairs"][0]
-    assert pair["hsdp_s"] > 0 and pair["ft_s"] > 0
-    failure = results["failure"]
-    # the survivor went on after the kill, and the restarted group healed to a later step with bytes moved
-    assert failure["kill_to_next_commit_s"] > 0 and failure["healed_to_step"] > 2 and failure["heal_bytes"] > 0
-    assert "| kill to the survivor's next committed step |" in capsys.readouterr().out
+    assert pair["hsdp_s"] > 0 and pair["ft_s"] > 0 and results["median_ratio"] == pair["ratio"]
+    assert "| 1 | " in capsys.readouterr().out

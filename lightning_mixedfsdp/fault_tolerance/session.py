@@ -39,13 +39,10 @@ class HealRecord:
 class ReplicaGroupSession:
     """Fault tolerance for the ranks of one replica group (one launch); every rank of the group holds one."""
 
-    def __init__(
-        self,
-        manager: Any,
-        settings: FaultTolerance,
-        sources: Callable[[], HealSources],
-    ) -> None:
-        self.manager = manager
+    manager: Any
+    """torchft's ``Manager`` of this rank."""
+
+    def __init__(self, settings: FaultTolerance, sources: Callable[[], HealSources]) -> None:
         self.settings = settings
         self._sources = sources
         self._quorum_open = False
@@ -74,17 +71,9 @@ class ReplicaGroupSession:
         problem = agree(lighthouse_problem(lighthouse, settings.connect_timeout_s) if group_rank == 0 else None)
         if problem is not None:
             raise ConnectionError(unreachable_message(owner, lighthouse, settings.connect_timeout_s, problem))
-        session: Optional[ReplicaGroupSession] = None
-
-        def load(state: Dict[str, Any]) -> None:
-            assert session is not None
-            session._received = load_heal_state(state, sources())
-
-        def serve() -> Dict[str, Any]:
-            return heal_state(sources())
-
         assert settings.replica_id is not None and settings.num_replica_groups is not None  # validated
-        manager = make_manager(
+        session = cls(settings, sources)
+        session.manager = make_manager(
             device,
             replica_id=f"mixed_fsdp2_{settings.replica_id}",
             lighthouse=lighthouse,
@@ -94,11 +83,16 @@ class ReplicaGroupSession:
             timeout_s=settings.timeout_s,
             quorum_timeout_s=settings.quorum_timeout_s,
             connect_timeout_s=settings.connect_timeout_s,
-            load_state_dict=load,
-            state_dict=serve,
+            load_state_dict=session._load_heal,
+            state_dict=session._serve_heal,
         )
-        session = cls(manager, settings, sources)
         return session
+
+    def _serve_heal(self) -> Dict[str, Any]:
+        return heal_state(self._sources())
+
+    def _load_heal(self, state: Dict[str, Any]) -> None:
+        self._received = load_heal_state(state, self._sources())
 
     # ---- the step ------------------------------------------------------------------------------------------------
 

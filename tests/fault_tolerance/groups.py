@@ -17,11 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_lighthouse() -> Any:
-    """torchft's lighthouse: quorums every 50 ms, a group silent for 1 s is dead, a new quorum waits 1 s for joiners."""
+    """torchft's lighthouse: quorums every 50 ms, a group silent for 1 s is dead, a new quorum waits 0.5 s for
+    joiners."""
     from torchft.coordination import LighthouseServer
 
     return LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=50, heartbeat_timeout_ms=1000
     )
 
 

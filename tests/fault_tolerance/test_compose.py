@@ -22,7 +22,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     setups = {"experts": ["--model", "qwen3_moe", "--expert-parallel", "2"], "compile": ["--compile"]}
     out: Dict[str, Path] = {}
     try:
-        for name, extra in setups.items():
+        for name, extra in setups.items():  # one after the other: at once, 8 processes on 2 cores take longer
             folder = out[name] = tmp_path_factory.mktemp(name)
             (folder / "stop").write_text(str(STEPS))
             groups: List[Group] = [Group(g, url, folder, extra=extra) for g in (0, 1)]

@@ -94,36 +94,26 @@ def test_the_lighthouse_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
     MixedFSDP2Strategy(fault_tolerance={**GOOD, "lighthouse": None})
 
 
-def _unreachable(rank: int, world_size: int, url: str) -> Any:
-    from lightning.fabric import Fabric
-
-    strategy = MixedFSDP2Strategy(fault_tolerance={**GOOD, "lighthouse": url, "connect_timeout_s": 1})
-    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
-    started = time.monotonic()
-    try:
-        fabric.launch()
-    except ConnectionError as err:
-        return str(err), time.monotonic() - started
-    return None, time.monotonic() - started
-
-
-def test_an_unreachable_lighthouse_fails_every_rank_with_its_url_within_the_connect_timeout() -> None:
-    port = _free_port()  # nothing listens there
-    url = f"http://127.0.0.1:{port}"
-    for message, seconds in run_distributed(_unreachable, 2, url, timeout=120):
-        assert message is not None and seconds < 15
-        assert f"the torchft lighthouse at '{url}' is unreachable within 1s" in message
-        assert "Start one with `torchft_lighthouse --min_replicas 1" in message
-
-
-def _sharded_by_parallelize_fn(rank: int, world_size: int) -> str:
+def _refusals(rank: int, world_size: int, url: str) -> Dict[str, Any]:
+    """Both refusals that need launched processes, in one launch: an unreachable lighthouse (Fabric's launch), then
+    a model that `parallelize_fn` sharded itself (the pipeline, on the process group that launch started)."""
     import torch.distributed as dist
+    from lightning.fabric import Fabric
     from torch.distributed.fsdp import fully_shard
 
     from lightning_mixedfsdp.mesh import ParallelDims
     from lightning_mixedfsdp.pipeline import shard_model
 
-    dist.init_process_group("gloo")
+    out: Dict[str, Any] = {}
+    strategy = MixedFSDP2Strategy(fault_tolerance={**GOOD, "lighthouse": url, "connect_timeout_s": 1})
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError) as unreachable:
+        fabric.launch()
+    out["unreachable"] = (str(unreachable.value), time.monotonic() - started)
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     meshes = ParallelDims.resolve(world_size, world_size, "auto", 1, 1, 1, "test").build_meshes("cpu")
     config = MixedFSDPConfig(fault_tolerance=FaultTolerance(**GOOD)).validate()
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
@@ -131,15 +121,32 @@ def _sharded_by_parallelize_fn(rank: int, world_size: int) -> str:
     def shard_it_myself(module: nn.Module, mesh: Any) -> nn.Module:
         return fully_shard(module, mesh=meshes.fsdp)
 
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(ValueError) as sharded:
         shard_model(
             model, config, config.bulk_dtypes("32-true"), meshes, torch.device("cpu"), shard_it_myself, lambda t: None
         )
-    return str(raised.value)
+    out["sharded_by_parallelize_fn"] = str(sharded.value)
+    return out
 
 
-def test_fault_tolerance_refuses_a_model_sharded_by_parallelize_fn() -> None:
-    for message in run_distributed(_sharded_by_parallelize_fn, 2):
+@pytest.fixture(scope="module")
+def refusals() -> Any:
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    return url, run_distributed(_refusals, 2, url, timeout=120)
+
+
+def test_an_unreachable_lighthouse_fails_every_rank_with_its_url_within_the_connect_timeout(refusals: Any) -> None:
+    url, results = refusals
+    for result in results:
+        message, seconds = result["unreachable"]
+        assert seconds < 15
+        assert f"the torchft lighthouse at '{url}' is unreachable within 1s" in message
+        assert "Start one with `torchft_lighthouse --min_replicas 1" in message
+
+
+def test_fault_tolerance_refuses_a_model_sharded_by_parallelize_fn(refusals: Any) -> None:
+    for result in refusals[1]:
+        message = result["sharded_by_parallelize_fn"]
         assert "fault_tolerance reduces every gradient across replica groups through the dtype plan's FSDP" in message
         assert "Remove `fully_shard` from it" in message
 
