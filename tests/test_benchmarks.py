@@ -236,7 +236,7 @@ def test_fault_tolerance_benchmark_times_both_launches(capsys) -> None:
     pytest.importorskip("torchft")
     from benchmarks import fault_tolerance
 
-    argv = ["--hidden", "32", "--layers", "2", "--seq", "16", "--steps", "5", "--warmup", "2", "--pairs", "1"]
+    argv = ["--hidden", "32", "--layers", "2", "--seq", "16", "--steps", "3", "--warmup", "1", "--pairs", "1"]
     results = fault_tolerance.main([*argv, "--no-kill"])
     pair = results["pairs"][0]
     assert pair["hsdp_s"] > 0 and pair["ft_s"] > 0 and results["median_ratio"] == pair["ratio"]
