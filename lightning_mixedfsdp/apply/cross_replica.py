@@ -2,7 +2,7 @@
 averaged across the groups by a function the caller gives (torchft's manager all-reduce), in the dtype it was reduced
 in, so fp32 norms stay fp32 across groups too."""
 
-from typing import Callable, List
+from typing import Callable
 
 from torch import Tensor, nn
 
@@ -12,17 +12,14 @@ CrossReplicaReduce = Callable[[Tensor], None]
 """Averages a tensor in place across the replica groups."""
 
 
-def apply_cross_replica_reduction(model: nn.Module, reducer: ReplicatedGradReducer, reduce: CrossReplicaReduce) -> int:
+def apply_cross_replica_reduction(model: nn.Module, reducer: ReplicatedGradReducer, reduce: CrossReplicaReduce) -> None:
     """``reduce`` on every sharded group's gradients (FSDP2's all-reduce hook of each ``fully_shard``: its
     reduce-scatter output, or with HSDP its all-reduce output, in the group's reduce dtype; experts groups included)
-    and on the replicated params' buckets. Returns the number of FSDP groups hooked: FSDP2's hook is per
-    ``fully_shard`` call, so every one must have it, or the groups' params drift apart."""
+    and on the replicated params' buckets. FSDP2's hook is per ``fully_shard`` call, so every one gets it, or the
+    groups' params drift apart."""
     from torch.distributed.fsdp import FSDPModule
 
-    hooked: List[nn.Module] = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_all_reduce_hook(reduce)
-            hooked.append(module)
     reducer.cross_replica_reduce = reduce
-    return len(hooked)

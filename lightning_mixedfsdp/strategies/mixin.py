@@ -141,10 +141,10 @@ class MixedFSDP2Mixin:
     def distributed_sampler_kwargs(self) -> dict:
         """The data-parallel ranks; under fault tolerance every replica group's ranks, so each group draws its own
         part of the data."""
+        if self._replica_session is None:
+            return self.group_sampler_kwargs
         mesh = self.meshes.data_parallel
-        if self._replica_session is not None:
-            return self._replica_session.sampler_kwargs(mesh.size(), mesh.get_local_rank())
-        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
+        return self._replica_session.sampler_kwargs(mesh.size(), mesh.get_local_rank())
 
     def setup_environment(self) -> None:
         """Lightning's own: device, process group, and its 2-D ``("data_parallel", "tensor_parallel")`` mesh with its
