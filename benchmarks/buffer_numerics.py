@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from benchmarks.common import device_type
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 BUCKETS = ((0, 512), (512, 2048), (2048, 4096), (4096, 8192))
 VARIANTS = {

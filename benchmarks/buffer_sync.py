@@ -20,7 +20,7 @@ from torch import nn
 
 from benchmarks.common import device_type, synchronize
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 MODES = ("none", "broadcast", "average")
 VOCAB, SEQ, BATCH = 1024, 128, 4

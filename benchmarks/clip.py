@@ -21,7 +21,7 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 
 def measure(rank: int, world_size: int, layers: int, repeats: int, kind: str) -> Dict[str, Any]:

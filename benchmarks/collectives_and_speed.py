@@ -27,7 +27,7 @@ from benchmarks.common import (
 )
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig, causal_lm_loss
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 
 def measure(

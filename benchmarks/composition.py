@@ -26,7 +26,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 MODES = {
     "plain": {},

@@ -25,7 +25,7 @@ from benchmarks.common import device_type, init_process_group, local_bytes, sync
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROUTERS = [r"mlp\.gate\.weight$"]
@@ -56,7 +56,7 @@ def build_model(hidden: int, experts: int, layers: int) -> torch.nn.Module:
 def counting(counts: Counter) -> Iterator[None]:
     """All-to-alls through transformers' EP (forward calls; backward runs the token ones again) and the bytes FSDP
     all-gathers."""
-    from lightning_mixedfsdp._transformers_compat import all_to_all_module
+    from lightning_mixedfsdp.compat.transformers import all_to_all_module
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 
     module = all_to_all_module()

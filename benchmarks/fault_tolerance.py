@@ -23,7 +23,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from tests.fault_tolerance.groups import Group, records, start_lighthouse, stderr_tails, wait_until
+from lightning_mixedfsdp.fault_tolerance.hooks import ReplicaGroups
+from lightning_mixedfsdp.testing.replica_groups import (
+    Group,
+    build_fabric,
+    read_step,
+    records,
+    start_lighthouse,
+    stderr_tails,
+    wait_until,
+)
 
 WORKER = "benchmarks.fault_tolerance"
 
@@ -43,10 +52,10 @@ def worker(argv: List[str]) -> None:
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from tests.fault_tolerance.worker import build, read_step
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = 4
-    sizes = dict(
+    config = LlamaConfig(
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,
@@ -55,9 +64,11 @@ def worker(argv: List[str]) -> None:
         head_dim=args.hidden // heads,
         vocab_size=512,
     )
-    fabric, model, optimizer = build(args.replica_id, args.lighthouse, args.world, args.replicate, **sizes)
+    fabric, model, optimizer = build_fabric(
+        args.replica_id, args.lighthouse, lambda: LlamaForCausalLM(config), args.world, args.replicate
+    )
     strategy = fabric.strategy
-    session = strategy.replica_session
+    session = strategy.fault_tolerance.session if isinstance(strategy.fault_tolerance, ReplicaGroups) else None
     log = (args.folder / f"g{args.replica_id}_r{fabric.global_rank}.jsonl").open("a")
     iteration = 0
     while True:

@@ -24,7 +24,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 
 def save_gpt_oss(directory: str, layers: int, hidden: int) -> None:

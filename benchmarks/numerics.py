@@ -22,7 +22,7 @@ from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
 from lightning_mixedfsdp.recipes.lm import warmup_cosine
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 RUNS = {
     "fp32": ("32-true", {}, "full fp32"),

@@ -36,7 +36,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def stored_bytes(tensor: torch.Tensor) -> int:
     """What a rank stores for ``tensor``: its local shard, a 4-bit weight by its parts."""
-    from lightning_mixedfsdp._torchao_compat import is_nf4
+    from lightning_mixedfsdp.compat.torchao import is_nf4
     from lightning_mixedfsdp.model.quantized import nf4_parts
     from lightning_mixedfsdp.model.tensors import local_tensor
 

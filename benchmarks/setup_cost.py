@@ -13,11 +13,11 @@ import torch
 
 from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
-from lightning_mixedfsdp._torch_compat import fsdp_param_groups
+from lightning_mixedfsdp.compat.torch import fsdp_param_groups
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 
 def model_config(layers: int) -> TinyLlamaConfig:

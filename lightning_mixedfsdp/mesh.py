@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Literal, Optional, TypeVa
 
 from torch import nn
 
-from lightning_mixedfsdp._torch_compat import flatten_mesh
+from lightning_mixedfsdp.compat.torch import flatten_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

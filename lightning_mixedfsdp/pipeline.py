@@ -18,13 +18,15 @@ from torch import nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
+from lightning_mixedfsdp.apply.options import ApplyOptions
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
 from lightning_mixedfsdp.mesh import ParallelizeFn, ParallelMeshes
 from lightning_mixedfsdp.model.names import canonical_name, is_within, unwrap_model, user_class_name
-from lightning_mixedfsdp.planning.planner import ShardPlan, plan_validated
+from lightning_mixedfsdp.planning.planner import plan_validated
 from lightning_mixedfsdp.planning.report import format_plan
+from lightning_mixedfsdp.planning.types import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +65,10 @@ def shard_model(
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
-    if config.print_report:
+    if config.diagnostics.print_report:
         _on_rank_zero(lambda: log.info(format_plan(plan)))
-    module, applied = apply_plan(
-        module,
-        plan,
-        meshes,
-        device,
-        parallelize or _identity,
-        reshard_after_forward=config.reshard_after_forward,
-        checkpoint_every=config.checkpoint_every,
-        compile_units=config.compile,
-        recompute_boundaries=config.recompute_keep_fp32_modules,
-        offload_to_cpu=config.offload == "cpu",
-        float8_emulate=config.float8_emulate,
-        cross_replica_reduce=cross_replica_reduce,
-    )
+    options = ApplyOptions.of(config)
+    module, applied = apply_plan(module, plan, meshes, device, parallelize or _identity, options, cross_replica_reduce)
     if applied is None and cross_replica_reduce is not None:
         raise ValueError(
             "mixed_fsdp2: fault_tolerance reduces every gradient across replica groups through the dtype plan's FSDP"
@@ -87,14 +77,13 @@ def shard_model(
         )
     units: Sequence[str] = plan.outermost_units if applied is not None else ()
     if on_meta:
-        materialize_sharded(
-            module, units, device, initialise=config.init_meta_params, dtypes=plan.init_dtypes, rng_state=rng_state
-        )
+        initialise = config.weights.init_meta_params
+        materialize_sharded(module, units, device, initialise=initialise, dtypes=plan.init_dtypes, rng_state=rng_state)
     elif applied is not None:
         sync_replicas(applied, meshes)
     if applied is not None:
-        apply_buffer_sync(module, applied, config.buffer_sync, config.buffer_sync_names, meshes)
-    if applied is not None and config.check_dtype_leaks and plan.bulk.compute is not None:
+        apply_buffer_sync(module, applied, config.buffers.sync, config.buffers.names, meshes)
+    if applied is not None and config.diagnostics.check_dtype_leaks and plan.bulk.compute is not None:
         applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
     _SET_UP.add(module)
     return ShardedModel(module, applied)

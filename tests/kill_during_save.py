@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.distributed import accelerator_for  # noqa: E402
+from lightning_mixedfsdp.testing import accelerator_for  # noqa: E402
 from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_batch  # noqa: E402
 
 

@@ -104,12 +104,12 @@ A_LOG = [r"A_log$"]
 
 
 def make_fabric(world_size: int, precision: str = "32-true", strategy: Any = "mixed_fsdp2", **kwargs: Any) -> Any:
-    """A launched Fabric on the test accelerator (``tests.distributed.accelerator_for``). The tests build their
-    batches on the CPU; on another device every set-up module moves its tensor inputs there."""
+    """A launched Fabric on the test accelerator (``lightning_mixedfsdp.testing.accelerator_for``). The tests build
+    their batches on the CPU; on another device every set-up module moves its tensor inputs there."""
     from lightning.fabric import Fabric
 
     import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
-    from tests.distributed import accelerator_for
+    from lightning_mixedfsdp.testing import accelerator_for
 
     class TestFabric(Fabric):
         def setup(self, module: nn.Module, *optimizers: Any, **setup_kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_mixedfsdp._torch_compat import (
+from lightning_mixedfsdp.compat.torch import (
     active_saved_tensor_hooks,
     inside_activation_checkpoint,
     tree_flatten,

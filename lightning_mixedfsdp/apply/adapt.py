@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import dtensor_storage, own_parameter
 from lightning_mixedfsdp.apply.activations import narrow_saves, recomputed
+from lightning_mixedfsdp.compat.torch import dtensor_storage, own_parameter
 from lightning_mixedfsdp.model.tensors import cast_floating, map_tensors
 
 

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp._torch_compat import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.apply.adapt import ClassRestore
 from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
@@ -19,6 +18,7 @@ from lightning_mixedfsdp.apply.buffers import BufferSync
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce, apply_cross_replica_reduction
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.apply.float8 import apply_float8
+from lightning_mixedfsdp.apply.options import ApplyOptions
 from lightning_mixedfsdp.apply.quantize import apply_checkpoint_exclusion, apply_quantization
 from lightning_mixedfsdp.apply.recovery import StepTracker, reset_fsdp_step
 from lightning_mixedfsdp.apply.replicate import (
@@ -28,10 +28,12 @@ from lightning_mixedfsdp.apply.replicate import (
     fsdp_gradient_divide_factor,
     replicate_params,
 )
+from lightning_mixedfsdp.compat.torch import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.config import BufferSyncMode
-from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.mesh import ExpertMeshes, ParallelMeshes
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name
-from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan, fsdp_groups_can_mix_dtypes
+from lightning_mixedfsdp.planning.planner import fsdp_groups_can_mix_dtypes
+from lightning_mixedfsdp.planning.types import ShardGroup, ShardPlan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,58 +72,45 @@ def apply_plan(
     meshes: ParallelMeshes,
     device: torch.device,
     parallelize: Callable[[nn.Module, Any], nn.Module],
-    reshard_after_forward: bool = True,
-    checkpoint_every: int = 0,
-    compile_units: bool = False,
-    recompute_boundaries: bool = True,
-    offload_to_cpu: bool = False,
-    float8_emulate: bool = False,
+    options: Optional[ApplyOptions] = None,
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
-    """Shard ``model`` as ``plan`` says. Returns the (possibly new) model and the applied plan, or None for the plan
-    when the model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize``
-    shards it itself. ``offload_to_cpu``: every ``fully_shard`` keeps its params, grads and optimizer states in host
-    memory (FSDP2's ``CPUOffloadPolicy``). ``float8_emulate``: the plan's float8 layers emulate float8 matmuls.
-    ``cross_replica_reduce``: every gradient is also averaged across fault-tolerant replica groups by it, after its
-    reduction within the group."""
+    """Shard ``model`` as ``plan`` says, with the config's ``options`` (resharding, activation checkpointing, compile,
+    offload, emulated float8). Returns the (possibly new) model and the applied plan, or None for the plan when the
+    model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize`` shards it
+    itself. ``cross_replica_reduce``: every gradient is also averaged across fault-tolerant replica groups by it,
+    after its reduction within the group."""
+    options = options or ApplyOptions()
     if _already_sharded(model):
         return model, None
     apply_dtypes(model, plan)
     if plan.quantized_params:
         tensor_parallel = meshes.root.size() // meshes.data_parallel.size()
         apply_quantization(model, plan.quantized_params, tensor_parallel, device)
-    float8_after_step = apply_float8(model, plan.float8_modules, plan.float8_recipe, float8_emulate, device)
+    float8_after_step = apply_float8(model, plan.float8_modules, plan.float8_recipe, options.float8.emulate, device)
     model = apply_parallelize(model, parallelize, meshes.root)
     if _already_sharded(model):
-        if plan.experts is not None:
-            raise ValueError(
-                f"mixed_fsdp2: expert_parallel_size={plan.experts.size} is applied by the dtype plan, but"
-                " `parallelize_fn` sharded the model with `fully_shard` itself. Remove `fully_shard` from it (tensor"
-                " parallelism and wrappers may stay), or leave expert_parallel_size=1 and apply EP yourself."
-            )
+        check_experts_not_sharded_by_user(plan)
         return model, None
     check_plan_fits(model, plan)
     check_groups_supported(plan)
     if plan.experts is not None:
-        if meshes.experts is None:
-            raise ValueError(
-                f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks, but the meshes hold no expert"
-                " mesh. Pass `shard_model` the meshes of `ParallelDims(..., expert_parallel=E).build_meshes(...)` (the"
-                " strategies build them from their expert_parallel_size), or plan with expert_parallel_size=1."
-            )
-        apply_expert_parallel(model, plan.experts, meshes.experts.expert_parallel, meshes.experts.tensor_parallel)
+        experts = expert_meshes(plan, meshes)
+        apply_expert_parallel(model, plan.experts, experts.expert_parallel, experts.tensor_parallel)
     top_units = list(plan.outermost_units)
-    if checkpoint_every:
-        apply_activation_checkpointing(model, top_units[::-1][::checkpoint_every])
+    sharding = options.sharding
+    if sharding.checkpoint_every:
+        apply_activation_checkpointing(model, top_units[::-1][:: sharding.checkpoint_every])
     index = ModuleIndex(model)
-    if compile_units:
+    if sharding.compile:
         apply_compile(index, top_units)
     restores: List[ClassRestore] = []
-    replicas = replicate_params(index, plan, meshes.fsdp, device, recompute_boundaries, restores)
-    restores += apply_boundaries(index, plan.sharded_groups, recompute_boundaries)
+    replicas = replicate_params(index, plan, meshes.fsdp, device, sharding.recompute_keep_fp32_modules, restores)
+    restores += apply_boundaries(index, plan.sharded_groups, sharding.recompute_keep_fp32_modules)
     ignored = {replica.param for replica in replicas}
+    offload = options.memory.offload == "cpu"
     for group in plan.sharded_groups:
-        apply_fully_shard(index, group, meshes, reshard_after_forward, ignored, offload_to_cpu)
+        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     if cross_replica_reduce is not None:
@@ -130,6 +119,28 @@ def apply_plan(
     if float8_after_step is not None:
         applied.after_step.append(float8_after_step)
     return model, applied
+
+
+def check_experts_not_sharded_by_user(plan: ShardPlan) -> None:
+    """Expert parallelism is applied by the plan: a ``parallelize_fn`` that shards with FSDP itself cannot have it."""
+    if plan.experts is not None:
+        raise ValueError(
+            f"mixed_fsdp2: expert_parallel_size={plan.experts.size} is applied by the dtype plan, but"
+            " `parallelize_fn` sharded the model with `fully_shard` itself. Remove `fully_shard` from it (tensor"
+            " parallelism and wrappers may stay), or leave expert_parallel_size=1 and apply EP yourself."
+        )
+
+
+def expert_meshes(plan: ShardPlan, meshes: ParallelMeshes) -> ExpertMeshes:
+    """The expert meshes a plan with expert parallelism needs."""
+    if meshes.experts is None:
+        assert plan.experts is not None
+        raise ValueError(
+            f"mixed_fsdp2: the plan splits experts over {plan.experts.size} ranks, but the meshes hold no expert"
+            " mesh. Pass `shard_model` the meshes of `ParallelDims(..., expert_parallel=E).build_meshes(...)` (the"
+            " strategies build them from their expert_parallel_size), or plan with expert_parallel_size=1."
+        )
+    return meshes.experts
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_mixedfsdp.apply.adapt import Adaptation, Boundary, ClassRestore, adapt
 from lightning_mixedfsdp.model.names import ModuleIndex
-from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan
+from lightning_mixedfsdp.planning.types import ShardGroup, ShardPlan
 
 
 def is_minority(group: ShardGroup) -> bool:

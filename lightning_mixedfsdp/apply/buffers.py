@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp._torch_compat import non_persistent_buffer_names, own_buffers
 from lightning_mixedfsdp.apply.bucketed import average_over_ranks, broadcast_from_first_rank
+from lightning_mixedfsdp.compat.torch import non_persistent_buffer_names, own_buffers
 from lightning_mixedfsdp.config import BufferSyncMode
 from lightning_mixedfsdp.model.names import canonical_name
 from lightning_mixedfsdp.model.tensors import local_tensor

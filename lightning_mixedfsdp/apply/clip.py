@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_mixedfsdp._torch_compat import assert_on_device, foreach_mul_, foreach_norm
+from lightning_mixedfsdp.compat.torch import assert_on_device, foreach_mul_, foreach_norm
 from lightning_mixedfsdp.config import NonfiniteCheck
 from lightning_mixedfsdp.model.tensors import local_tensor
 

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from lightning_mixedfsdp._transformers_compat import apply_expert_parallelism
+from lightning_mixedfsdp.compat.transformers import apply_expert_parallelism
 from lightning_mixedfsdp.model.names import canonical_name
 from lightning_mixedfsdp.planning.experts import ExpertPlan
 

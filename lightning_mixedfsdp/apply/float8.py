@@ -9,7 +9,7 @@ from typing import Callable, Collection, Optional
 import torch
 from torch import nn
 
-from lightning_mixedfsdp._torchao_compat import convert_to_float8, float8_linear_config, precompute_float8_scales
+from lightning_mixedfsdp.compat.torchao import convert_to_float8, float8_linear_config, precompute_float8_scales
 from lightning_mixedfsdp.model.names import canonical_name
 
 FLOAT8_CAPABILITY = (8, 9)
@@ -21,10 +21,12 @@ def apply_float8(
 ) -> Optional[Callable[[], None]]:
     """Convert the Linear ``modules`` (canonical names) to float8 training; returns what must run after each
     optimizer step (FSDP2's float8 all-gather), or None."""
-    if recipe is None or not modules:
+    if recipe is None:
         return None
-    if not emulate:
+    if not emulate:  # whatever the plan's size filter chose: a float8 run on a device without float8 is refused
         check_float8_matmuls(device, recipe)
+    if not modules:
+        return None
     all_gather = recipe == "tensorwise" and not emulate and device.type == "cuda"
     wanted = set(modules)
     config = float8_linear_config(recipe, emulate, fsdp_float8_all_gather=all_gather)
@@ -38,7 +40,7 @@ def check_float8_matmuls(device: torch.device, recipe: str) -> None:
         return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type.upper()
     raise ValueError(
-        f"mixed_fsdp2: float8={recipe!r} needs float8 matmuls, which {name} lacks (CUDA compute capability 8.9 or"
-        " later: L4, L40S, H100, H200, B200). Set float8_emulate=True to emulate them in the compute dtype (the"
-        " numerics of float8, no speed gain), or float8=None."
+        f"mixed_fsdp2: float8.recipe={recipe!r} needs float8 matmuls, which {name} lacks (CUDA compute capability 8.9"
+        " or later: L4, L40S, H100, H200, B200). Set float8.emulate=True to emulate them in the compute dtype (the"
+        " numerics of float8, no speed gain), or leave float8 off."
     )

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp._torch_compat import own_parameters, replace_parameter
-from lightning_mixedfsdp._torchao_compat import check_torchao, nf4_of_meta, to_nf4
+from lightning_mixedfsdp.compat.torch import own_parameters, replace_parameter
+from lightning_mixedfsdp.compat.torchao import check_torchao, nf4_of_meta, to_nf4
 from lightning_mixedfsdp.model.names import canonical_name, join_name
 
 

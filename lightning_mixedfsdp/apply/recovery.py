@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp._torch_compat import inside_backward, queue_after_backward, reset_fsdp_iter_state
+from lightning_mixedfsdp.compat.torch import inside_backward, queue_after_backward, reset_fsdp_iter_state
 from lightning_mixedfsdp.model.tensors import tensors_in
 
 

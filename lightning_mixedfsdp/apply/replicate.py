@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import (
+from lightning_mixedfsdp.apply.adapt import Adaptation, ClassRestore, adapt
+from lightning_mixedfsdp.apply.boundaries import group_boundary
+from lightning_mixedfsdp.compat.torch import (
     dtensor_storage,
     dtensor_with_local,
     gradient_divide_factor,
     own_parameters,
     replace_parameter,
 )
-from lightning_mixedfsdp.apply.adapt import Adaptation, ClassRestore, adapt
-from lightning_mixedfsdp.apply.boundaries import group_boundary
 from lightning_mixedfsdp.model.names import ModuleIndex
-from lightning_mixedfsdp.planning.planner import ShardGroup, ShardPlan
+from lightning_mixedfsdp.planning.types import ShardGroup, ShardPlan
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

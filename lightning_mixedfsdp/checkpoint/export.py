@@ -1,26 +1,33 @@
-"""Safetensors export in the HF layout: every tensor in the dtype its plan keeps (fp32) or the export's dtype."""
+"""Safetensors export in the HF layout: every tensor in the dtype its plan keeps (fp32) or the export's dtype.
+
+An export is written whole into a staging folder beside its target and committed by rename (``staging.py``): a
+failed or killed export leaves the previous one as it was. Each tensor is gathered in regions of at most half a
+chunk (``gather.py``), so no rank holds more than about one chunk of it at once, and rank 0 writes each region into
+its file as it comes. A failure on rank 0 (a full disk, no permission) reaches every rank at the next agreement,
+every chunk of data (``distributed/agreement.py``).
+"""
 
 import copy
 import json
 import math
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import dtensor_with_local
-from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
+from lightning_mixedfsdp.checkpoint.gather import Region, full_regions
 from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
+from lightning_mixedfsdp.checkpoint.staging import StagedFolder
+from lightning_mixedfsdp.compat.torchao import is_nf4
+from lightning_mixedfsdp.distributed.agreement import Agreement
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
-from lightning_mixedfsdp.model.quantized import dequantized
 from lightning_mixedfsdp.model.tensors import local_tensor
-from lightning_mixedfsdp.planning.planner import ShardPlan
+from lightning_mixedfsdp.planning.types import ShardPlan
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -28,6 +35,11 @@ if TYPE_CHECKING:
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
+DEFAULT_EXPORT_CHUNK_BYTES = 256 * 2**20
+"""The most an export holds of a tensor on each rank at once (``Weights.export_chunk_bytes``)."""
+
+AlsoWrite = Callable[[Path], None]
+"""Rank 0 writes more files of the export into the staging folder (a tokenizer, a model's code)."""
 
 
 def save_safetensors(tensors: Dict[str, Tensor], path: Path, metadata: Dict[str, str]) -> None:
@@ -53,19 +65,27 @@ def _umask() -> int:
     return mask
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A tensor to export: its name, its full value's shape and dtype, and its full value region by region (a
+    collective on every rank for a sharded one)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    regions: Callable[[int], Iterator[Region]]
+
+
 def write_safetensors(
     state: Dict[str, Tensor], directory: Path, max_shard_bytes: int, metadata: Optional[Dict[str, str]] = None
 ) -> List[Path]:
     """HF layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus an index; every tensor
-    as it is. One process writes (no collective)."""
-    tensors = [_Pending(name, t.shape, t.dtype, partial(_as_is, t)) for name, t in state.items()]
-    written = _stream_to_files(tensors, lambda _, source: source, directory, max_shard_bytes, True, metadata)
-    assert written is not None
-    return written[0]
-
-
-def _as_is(tensor: Tensor) -> Tensor:
-    return tensor
+    as it is. One process writes (no collective), in place."""
+    tensors = [_Pending(name, t.shape, t.dtype, partial(full_regions, t)) for name, t in state.items()]
+    directory.mkdir(parents=True, exist_ok=True)
+    layout = _Layout(tensors, lambda _, source: source, max_shard_bytes)
+    layout.write(directory, DEFAULT_EXPORT_CHUNK_BYTES, None, metadata)
+    return [directory / name for name in layout.file_names]
 
 
 def export_model(
@@ -74,17 +94,19 @@ def export_model(
     dtype: torch.dtype,
     plan: ShardPlan,
     max_shard_bytes: int = 5 * 2**30,
+    chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES,
+    also_write: Optional[AlsoWrite] = None,
 ) -> Optional[List[Path]]:
-    """Write the full weights as HF safetensors, streamed tensor by tensor; every rank must call it.
+    """Write the full weights as HF safetensors, committed as a whole; every rank must call it.
 
-    Each tensor is gathered in turn (``DTensor.full_tensor``, on every rank), written by rank 0 into its file as it
-    comes (files of at most ``max_shard_bytes``) and dropped: no rank holds more than one full tensor. The tensors
-    ``plan`` keeps in fp32 (keep-fp32 params, fp32 buffers) are written in fp32, every other floating tensor in
-    ``dtype``. An HF model's config is written beside them, so ``from_pretrained(directory)`` loads the export; its
-    ``dtype`` is fp32 when the tensors mix dtypes, so that load keeps every value (:func:`lossless_dtype`). A PEFT
-    model is exported merged under the base model's names, each layer's adapters folded into its base weight as that
-    weight is written. Returns the written files on rank 0, None elsewhere.
-    """
+    Each tensor is gathered in regions of at most ``chunk_bytes / 2`` on every rank and written by rank 0 into its
+    file (files of at most ``max_shard_bytes``) as it comes. The tensors ``plan`` keeps in fp32 (keep-fp32 params,
+    fp32 buffers) are written in fp32, every other floating tensor in ``dtype``. An HF model's config is written
+    beside them, so ``from_pretrained(directory)`` loads the export; its ``dtype`` is fp32 when the tensors mix
+    dtypes, so that load keeps every value (:func:`lossless_dtype`). ``also_write(folder)`` adds files of the caller's
+    on rank 0 (a tokenizer) before the commit. A PEFT model is exported merged under the base model's names, each
+    layer's adapters folded into its base weight region by region. Returns the written files on rank 0, None
+    elsewhere."""
     import torch.distributed as dist
 
     model = unwrap_model(model)
@@ -97,39 +119,147 @@ def export_model(
     def target_dtype(name: str, source: torch.dtype) -> torch.dtype:
         return (torch.float32 if name in keep_fp32 else dtype) if source.is_floating_point else source
 
-    written = _stream_to_files(tensors, target_dtype, Path(directory), max_shard_bytes, dist.get_rank() == 0)
-    if written is None:
-        return None
-    files, dtypes = written
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "save_pretrained"):
-        config = copy.deepcopy(config)
-        config.dtype = lossless_dtype(dtypes)
-        config.save_pretrained(str(directory))
-    return files
+    layout = _Layout(tensors, target_dtype, max_shard_bytes)
+
+    def finish(folder: Path) -> None:
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config = copy.deepcopy(config)
+            config.dtype = lossless_dtype(layout.floating_dtypes)
+            config.save_pretrained(str(folder))
+        if also_write is not None:
+            also_write(folder)
+
+    def write(folder: Optional[Path], agreement: Agreement) -> None:
+        layout.write(folder, chunk_bytes, agreement)
+
+    written = _staged(Path(directory), "export_safetensors", write, finish)
+    return written if dist.get_rank() == 0 else None
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """A tensor to export: its name, its full value's shape and dtype, and how to get the full value (a collective on
-    every rank for a sharded one)."""
+def _staged(
+    directory: Path,
+    what: str,
+    write: Callable[[Optional[Path], Agreement], None],
+    finish: Optional[AlsoWrite] = None,
+) -> List[Path]:
+    """The staging, agreement and commit around an export's writes (every rank; rank 0 writes)."""
+    import torch.distributed as dist
 
-    name: str
-    shape: torch.Size
-    dtype: torch.dtype
-    gather: Callable[[], Tensor]
+    agreement = Agreement(f"{what} to {str(directory)!r}")
+    staging = StagedFolder(directory, writer=dist.get_rank() == 0)
+    folder: Optional[Path] = None
+    written: List[Path] = []
+    try:
+        with agreement.local():
+            folder = staging.open()
+        agreement.agree()
+        write(folder, agreement)
+        with agreement.local():
+            if folder is not None:
+                if finish is not None:
+                    finish(folder)
+                written = staging.commit()
+        agreement.agree()
+    except BaseException:
+        staging.discard()
+        raise
+    return written
 
 
-def _gathered(tensor: Tensor) -> Tensor:
-    """The full value of a param or buffer: an all-gather for a DTensor (every rank calls it), else the tensor. A
-    4-bit weight is dequantized on each rank first and gathered in its nominal dtype."""
-    from torch.distributed.tensor import DTensor
+class _Layout:
+    """Which file holds which tensor, in which dtype: HF's layout (``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` files of at most ``max_shard_bytes`` plus an index)."""
 
-    if not isinstance(tensor, DTensor):
-        return dequantized(tensor)
-    if is_nf4(tensor.to_local()):
-        tensor = cast(DTensor, dtensor_with_local(tensor, dequantized(tensor.to_local())))
-    return tensor.full_tensor()
+    def __init__(
+        self,
+        tensors: Sequence[_Pending],
+        target_dtype: Callable[[str, torch.dtype], torch.dtype],
+        max_shard_bytes: int,
+    ) -> None:
+        self.tensors = list(tensors)
+        self.dtypes = [target_dtype(t.name, t.dtype) for t in tensors]
+        self.sizes = [math.prod(t.shape) * dtype.itemsize for t, dtype in zip(tensors, self.dtypes, strict=True)]
+        self.groups = _file_groups(self.sizes, max_shard_bytes)
+        count = len(self.groups)
+        self.file_names = (
+            [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        )
+
+    @property
+    def floating_dtypes(self) -> List[torch.dtype]:
+        return [dtype for t, dtype in zip(self.tensors, self.dtypes, strict=True) if t.dtype.is_floating_point]
+
+    def write(
+        self,
+        folder: Optional[Path],
+        chunk_bytes: int,
+        agreement: Optional[Agreement],
+        metadata: Optional[Dict[str, str]] = None,
+    ) -> None:
+        """Every rank walks the regions (collectives); the rank given a ``folder`` writes them. With an
+        ``agreement``, a failure to write reaches every rank within about one chunk of data; without one (a single
+        process) it raises at once."""
+        region_bytes = max(1, chunk_bytes // 2)
+        since_agreement = 0
+        file_metadata = {"format": "pt", **(metadata or {})}
+        for file_name, members in zip(self.file_names, self.groups, strict=True):
+            entries = [(self.tensors[i].name, tuple(self.tensors[i].shape), self.dtypes[i]) for i in members]
+            stream = _Stream(folder / file_name if folder is not None else None, entries, file_metadata, agreement)
+            for index, (name, _, dtype) in zip(members, entries, strict=True):
+                for dim, start, stop, value in self.tensors[index].regions(region_bytes):
+                    stream.write(name, dim, start, stop, value.to(dtype))
+                    since_agreement += value.numel() * dtype.itemsize
+                    del value
+                    if agreement is not None and since_agreement >= chunk_bytes:
+                        agreement.agree()
+                        since_agreement = 0
+            stream.close()
+        if folder is not None:
+            _local(agreement, lambda: self._write_index(folder))
+
+    def _write_index(self, folder: Path) -> None:
+        if len(self.groups) > 1:
+            weight_map = {
+                self.tensors[i].name: file_name
+                for file_name, members in zip(self.file_names, self.groups, strict=True)
+                for i in members
+            }
+            contents = {"metadata": {"total_size": sum(self.sizes)}, "weight_map": weight_map}
+            (folder / SAFETENSORS_INDEX).write_text(json.dumps(contents, indent=2))
+
+
+class _Stream:
+    """One file of the export on the writing rank (a no-op elsewhere, and after a failure): opening, writing and
+    closing each kept by the agreement instead of raised, so the rank stays in step with the others."""
+
+    def __init__(self, path: Optional[Path], entries: List[Any], metadata: Dict[str, str], agreement: Any) -> None:
+        self._agreement = agreement
+        self._stream: Optional[SafetensorsStream] = None
+        if path is not None:
+            _local(agreement, lambda: self._open(path, entries, metadata))
+
+    def _open(self, path: Path, entries: List[Any], metadata: Dict[str, str]) -> None:
+        self._stream = SafetensorsStream(path, entries, metadata).__enter__()
+
+    def write(self, name: str, dim: int, start: int, stop: int, value: Tensor) -> None:
+        stream = self._stream
+        if stream is not None and not (self._agreement is not None and self._agreement.failed):
+            _local(self._agreement, lambda: stream.write_region(name, dim, start, stop, value))
+
+    def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            failed = self._agreement is not None and self._agreement.failed
+            _local(self._agreement, lambda: stream.__exit__(RuntimeError if failed else None, None, None))
+
+
+def _local(agreement: Optional[Agreement], action: Callable[[], Any]) -> None:
+    if agreement is None:
+        action()
+        return
+    with agreement.local():
+        action()
 
 
 def _export_tensors(model: nn.Module) -> List[_Pending]:
@@ -140,54 +270,9 @@ def _export_tensors(model: nn.Module) -> List[_Pending]:
         if name not in tensors and is_nf4(local_tensor(param)):
             tensors[name] = param
     return [
-        _Pending(canonical_name(name), tensor.shape, tensor.dtype, partial(_gathered, tensor.detach()))
+        _Pending(canonical_name(name), tensor.shape, tensor.dtype, partial(full_regions, tensor.detach()))
         for name, tensor in tensors.items()
     ]
-
-
-def _stream_to_files(
-    tensors: Sequence[_Pending],
-    target_dtype: Callable[[str, torch.dtype], torch.dtype],
-    directory: Path,
-    max_shard_bytes: int,
-    is_rank_zero: bool,
-    metadata: Optional[Dict[str, str]] = None,
-) -> Optional[Tuple[List[Path], List[torch.dtype]]]:
-    """Gather the tensors in order on every rank and write them on rank 0 in HF's layout (``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` files plus an index), each tensor written as it comes: no rank holds more
-    than one full tensor."""
-    sizes = [math.prod(t.shape) * target_dtype(t.name, t.dtype).itemsize for t in tensors]
-    groups = _file_groups(sizes, max_shard_bytes)
-    names = (
-        [SINGLE_FILE]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    if is_rank_zero:
-        directory.mkdir(parents=True, exist_ok=True)
-    files: List[Path] = []
-    weight_map: Dict[str, str] = {}
-    file_metadata = {"format": "pt", **(metadata or {})}
-    for file_name, members in zip(names, groups, strict=True):
-        entries = [
-            (tensors[i].name, tuple(tensors[i].shape), target_dtype(tensors[i].name, tensors[i].dtype)) for i in members
-        ]
-        stream = SafetensorsStream(directory / file_name, entries, file_metadata) if is_rank_zero else None
-        with stream or nullcontext():
-            for index, (name, _, dtype) in zip(members, entries, strict=True):
-                full = tensors[index].gather()  # a collective for a sharded tensor: every rank, in the same order
-                if stream is not None:
-                    stream.write(name, full.to(dtype))
-                del full
-        files.append(directory / file_name)
-        weight_map.update({name: file_name for name, _, _ in entries})
-    if not is_rank_zero:
-        return None
-    if len(groups) > 1:
-        contents = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        (directory / SAFETENSORS_INDEX).write_text(json.dumps(contents, indent=2))
-    dtypes = [target_dtype(t.name, t.dtype) for t in tensors if t.dtype.is_floating_point]
-    return files, dtypes
 
 
 def _file_groups(sizes: Sequence[int], max_shard_bytes: int) -> List[List[int]]:
@@ -215,8 +300,9 @@ def lossless_dtype(floating: Iterable[torch.dtype]) -> Optional[torch.dtype]:
 
 def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]]:
     """Write a PEFT model's active adapter in PEFT's own format (``adapter_model.safetensors`` and
-    ``adapter_config.json``), so ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank must call it;
-    rank 0 writes. The adapter keeps its storage dtype (fp32 master weights under ``bf16-mixed``)."""
+    ``adapter_config.json``), committed as a whole, so ``PeftModel.from_pretrained(base, directory)`` loads it. Every
+    rank must call it; rank 0 writes. The adapter keeps its storage dtype (fp32 master weights under ``bf16-mixed``).
+    """
     import torch.distributed as dist
     from peft.utils import get_peft_model_state_dict
 
@@ -227,23 +313,28 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
             " wrap the model with peft.get_peft_model before setup."
         )
     adapter: str = model.active_adapter
-    # the adapter's tensors alone are gathered: the base never leaves its shards
-    state = {p.name: p.gather() for p in _export_tensors(model) if "lora_" in p.name}
-    if dist.get_rank() != 0:
-        return None
-    weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / ADAPTER_FILE
-    save_safetensors({n: t.contiguous() for n, t in weights.items()}, path, {"format": "pt"})
-    model.peft_config[adapter].save_pretrained(str(directory))
-    return [path]
+    # the adapter's tensors alone are gathered (they are small: whole): the base never leaves its shards
+    state = {p.name: _whole(p) for p in _export_tensors(model) if "lora_" in p.name}
+
+    def finish(folder: Path) -> None:
+        weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
+        save_safetensors({n: t.contiguous() for n, t in weights.items()}, folder / ADAPTER_FILE, {"format": "pt"})
+        model.peft_config[adapter].save_pretrained(str(folder))
+
+    written = _staged(Path(directory), "export_adapter", lambda folder, agreement: None, finish)
+    return [path for path in written if path.name == ADAPTER_FILE] if dist.get_rank() == 0 else None
+
+
+def _whole(pending: _Pending) -> Tensor:
+    """A tensor's full value in one piece (for small tensors: an adapter's)."""
+    regions = list(pending.regions(max(1, math.prod(pending.shape) * pending.dtype.itemsize)))
+    return regions[0][3] if len(regions) == 1 else torch.cat([r[3] for r in regions], dim=regions[0][0])
 
 
 def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_Pending]:
     """A PEFT model's tensors under its base model's names, each LoRA layer's active adapter folded into its base
-    weight when that weight is gathered (peft's own merge of ``lora.Linear``: ``W + transpose(B @ A) * scaling``, in
-    fp32 for bf16 on the CPU, added in the weight's dtype); the adapter tensors themselves are not written."""
+    weight region by region (peft's own merge of ``lora.Linear``: ``W + transpose(B @ A) * scaling``, in fp32 for
+    bf16 on the CPU, added in the weight's dtype); the adapter tensors themselves are not written."""
     adapter: str = model.active_adapter
     merges: Dict[str, Any] = {}
     for module_name, module in model.named_modules():
@@ -266,18 +357,38 @@ def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_P
         if base is None:
             continue  # an adapter tensor: merged into its base weight
         module = merges.get(pending.name)
-        gather = pending.gather if module is None else partial(_merged_weight, pending, module, adapter)
-        out.append(_Pending(base, pending.shape, pending.dtype, gather))
+        regions = pending.regions if module is None else partial(_merged_regions, pending, module, adapter)
+        out.append(_Pending(base, pending.shape, pending.dtype, regions))
     return out
 
 
-def _merged_weight(pending: _Pending, module: Any, adapter: str) -> Tensor:
-    """peft's merge of one ``lora.Linear`` (``get_delta_weight`` and ``merge``, peft 0.21), on the full tensors."""
-    weight = pending.gather().clone()
-    lora_a = _gathered(module.lora_A[adapter].weight.detach())
-    lora_b = _gathered(module.lora_B[adapter].weight.detach())
-    on_cpu_narrow = weight.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
-    product = lora_b.float() @ lora_a.float() if on_cpu_narrow else lora_b @ lora_a
-    delta = (product.T if module.fan_in_fan_out else product) * module.scaling[adapter]
-    weight += delta.to(lora_b.dtype)
-    return weight
+def _merged_regions(pending: _Pending, module: Any, adapter: str, region_bytes: int) -> Iterator[Region]:
+    """peft's merge of one ``lora.Linear`` (``get_delta_weight`` and ``merge``, peft 0.21), region by region of the
+    base weight: the adapter's A and B are gathered whole (rank x features), the delta of each region from them."""
+    lora_a = _whole(
+        _Pending(
+            "a",
+            module.lora_A[adapter].weight.shape,
+            module.lora_A[adapter].weight.dtype,
+            partial(full_regions, module.lora_A[adapter].weight.detach()),
+        )
+    )
+    lora_b = _whole(
+        _Pending(
+            "b",
+            module.lora_B[adapter].weight.shape,
+            module.lora_B[adapter].weight.dtype,
+            partial(full_regions, module.lora_B[adapter].weight.detach()),
+        )
+    )
+    on_cpu_narrow = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
+    a, b = (lora_a.float(), lora_b.float()) if on_cpu_narrow else (lora_a, lora_b)
+    for dim, start, stop, value in pending.regions(region_bytes):
+        # the weight is (out, in) = B @ A, or its transpose with fan_in_fan_out: a region of rows of one is a
+        # region of columns of the other
+        rows = (dim == 0) != bool(module.fan_in_fan_out)
+        product = b[start:stop] @ a if rows else b @ a[:, start:stop]
+        delta = (product.T if module.fan_in_fan_out else product) * module.scaling[adapter]
+        merged = value.clone()
+        merged += delta.to(lora_b.dtype)
+        yield dim, start, stop, merged

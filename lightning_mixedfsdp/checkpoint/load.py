@@ -8,11 +8,13 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import dtensor_with_local, non_persistent_buffer_names, replace_parameter
-from lightning_mixedfsdp._torchao_compat import is_nf4
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
+from lightning_mixedfsdp.checkpoint.safetensors_stream import read_header
+from lightning_mixedfsdp.compat.torch import dtensor_with_local, non_persistent_buffer_names, replace_parameter
+from lightning_mixedfsdp.compat.torchao import is_nf4
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
+from lightning_mixedfsdp.distributed.agreement import on_rank_zero
 from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
@@ -20,6 +22,9 @@ from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.memory import STAGING_BYTES
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+TensorFacts = Tuple[Tuple[int, ...], torch.dtype]
+"""A tensor's shape and dtype."""
 
 
 def read_state_dict(path: PathLike) -> Dict[str, Tensor]:
@@ -124,34 +129,40 @@ def load_full_weights(
     widens to fp32 exactly; an fp32 tensor kept fp32 stays exact). Tied copies in the checkpoint are accepted and
     skipped. A PEFT model loads its base model's checkpoint; its adapters keep their values.
     """
-    import torch.distributed as dist
-
     if read not in ("own_parts", "rank_zero"):
         raise ValueError(f"load_full_weights: read={read!r} is not supported; use 'own_parts' or 'rank_zero'.")
     model = unwrap_model(model)
     targets = tensor_targets(model)
     from_checkpoint = _checkpoint_names(model)
-    expected = {key: tuple(targets[name].shape) for key, name in from_checkpoint.items() if key == _own_key(name)}
-    agreed: List[Any] = [None, {}]
-    reader = CheckpointReader(path) if dist.get_rank() == 0 else None
-    if reader is not None:
+    expected = {
+        key: (tuple(targets[name].shape), targets[name].dtype)
+        for key, name in from_checkpoint.items()
+        if key == _own_key(name)
+    }
+    readers: List[CheckpointReader] = []
+
+    def survey() -> Dict[str, str]:
+        """Rank 0: the checkpoint's names, shapes and dtypes against the model's; model name -> checkpoint key."""
+        reader = CheckpointReader(path)
+        readers.append(reader)
         # a tied alias loads its param only when the checkpoint lacks the param's own key
         sources = {from_checkpoint.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in expected)}
-        found = {_own_key(name): reader.shape(key) for name, key in sources.items()}
+        found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
+        problems = _mismatches(expected, found, strict)
+        if problems:
+            raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {'; '.join(problems)}")
         # model name -> the checkpoint key it loads from, in the model's order
-        present = {name: sources[name] for name in dict.fromkeys(from_checkpoint.values()) if name in sources}
-        agreed = [_mismatches(expected, found, strict), present]
-    dist.broadcast_object_list(agreed, src=0)
-    if agreed[0]:
-        raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {agreed[0]}")
+        return {name: sources[name] for name in dict.fromkeys(from_checkpoint.values()) if name in sources}
+
+    present = on_rank_zero("load_full_weights", survey)
     folder = _safetensors_folder(Path(path)) if read == "own_parts" else None
     if folder is not None:
-        _read_own_parts(folder, {key: targets[name] for name, key in agreed[1].items()})
+        _read_own_parts(folder, {key: targets[name] for name, key in present.items()})
         return
-    chunks = _byte_chunks(targets, list(agreed[1]), chunk_bytes)
+    chunks = _byte_chunks(targets, list(present), chunk_bytes)
     produce = None
-    if reader is not None:
-        produce = produce_each(chunks, lambda chunk: _LazyChunk(reader, sources, chunk))
+    if readers:
+        produce = produce_each(chunks, lambda chunk: _LazyChunk(readers[0], present, chunk))
     stream_into(model, chunks, produce)
 
 
@@ -220,35 +231,38 @@ def _safetensors_folder(path: Path) -> Optional[Path]:
 
 
 class CheckpointReader:
-    """Rank 0's lazy view of a checkpoint: names and shapes from the metadata, one tensor at a time on demand.
+    """Rank 0's lazy view of a checkpoint: names, shapes and dtypes from the metadata, one tensor at a time on demand.
 
     Reads a ``.safetensors`` file, an HF folder (``model.safetensors`` or shards with an index), or a torch file
-    (memory-mapped, weights only). A safetensors file is opened for each read and closed after it, so the pages read
-    do not stay mapped in this process.
+    (memory-mapped, weights only). Every safetensors file is checked whole when the reader opens it (a truncated file
+    is refused, by name); each is opened for each read and closed after it, so the pages read do not stay mapped in
+    this process.
     """
 
     def __init__(self, path: PathLike) -> None:
         path = Path(path)
         self._file_of: Dict[str, Path] = {}
-        self._shapes: Dict[str, Tuple[int, ...]] = {}
+        self._facts: Dict[str, TensorFacts] = {}
         self._torch: Optional[Dict[str, Tensor]] = None
         if path.is_dir() or path.suffix == ".safetensors":
-            from safetensors import safe_open
-
             for file in _safetensors_files(path):
-                with safe_open(str(file), framework="pt", device="cpu") as handle:
-                    for name in handle.keys():
-                        self._file_of[name] = file
-                        self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+                if not file.is_file():
+                    raise FileNotFoundError(f"{str(file)!r}, a file of the checkpoint {str(path)!r}, does not exist.")
+                for name, facts in read_header(file).items():
+                    self._file_of[name] = file
+                    self._facts[name] = facts
         else:
             self._torch = _torch_state(path)
-            self._shapes = {name: tuple(t.shape) for name, t in self._torch.items()}
+            self._facts = {name: (tuple(t.shape), t.dtype) for name, t in self._torch.items()}
 
     def keys(self) -> List[str]:
-        return list(self._shapes)
+        return list(self._facts)
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return self._shapes[name]
+        return self._facts[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._facts[name][1]
 
     def get(self, name: str) -> Tensor:
         if self._torch is not None:
@@ -291,7 +305,14 @@ def _safetensors_files(path: Path) -> List[Path]:
 
 
 def _torch_state(path: Path) -> Dict[str, Tensor]:
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as error:  # a truncated or foreign file: torch names neither the file nor the fix
+        raise ValueError(
+            f"{str(path)!r} cannot be read as a torch checkpoint ({error}); save or copy it again."
+        ) from error
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise ValueError(
             f"read_state_dict: {str(path)!r} does not hold a flat name -> tensor dict; for a Fabric checkpoint pass"
@@ -338,15 +359,34 @@ def _byte_chunks(targets: Dict[str, Tensor], names: Sequence[str], chunk_bytes: 
     return [chunk for chunk in chunks if chunk]
 
 
-def _mismatches(expected: Dict[str, Any], found: Dict[str, Any], strict: bool) -> str:
+def _mismatches(expected: Dict[str, TensorFacts], found: Dict[str, TensorFacts], strict: bool) -> List[str]:
+    """Every way the checkpoint's tensors (``found``) do not fit the model's (``expected``), each named: missing and
+    unexpected keys (under ``strict``), any dimension that differs (0-dim tensors included), and a dtype that cannot
+    load (a float loads into a float of any width, as the plan says; an integer or a bool only into its own dtype)."""
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(found) if expected[k][0] != found[k][0])
     problems = []
     if missing and strict:
         problems.append(f"missing keys {missing[:8]}{'...' if len(missing) > 8 else ''} (pass strict=False to skip)")
     if unexpected and strict:
         problems.append(f"unexpected keys {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    if wrong:
-        problems.append("shape mismatch for " + ", ".join(f"{k}: {found[k][0]} vs {expected[k][0]}" for k in wrong[:8]))
-    return "; ".join(problems)
+    for key in sorted(set(expected) & set(found)):
+        (model_shape, model_dtype), (saved_shape, saved_dtype) = expected[key], found[key]
+        if tuple(model_shape) != tuple(saved_shape):
+            problems.append(
+                f"{key} has shape {tuple(saved_shape)} in the checkpoint, {tuple(model_shape)} in the model"
+            )
+        elif not _loads_into(saved_dtype, model_dtype):
+            problems.append(
+                f"{key} is {_name(saved_dtype)} in the checkpoint, {_name(model_dtype)} in the model (a float loads"
+                " into any float; an integer or a bool only into its own dtype)"
+            )
+    return problems
+
+
+def _loads_into(saved: torch.dtype, model: torch.dtype) -> bool:
+    return (saved.is_floating_point and model.is_floating_point) or saved == model
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

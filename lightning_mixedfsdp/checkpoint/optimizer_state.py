@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mixedfsdp._torch_compat import local_chunk
 from lightning_mixedfsdp.checkpoint.atomic import DCP_METADATA, LIGHTNING_METADATA_FILENAME
+from lightning_mixedfsdp.compat.torch import local_chunk
 from lightning_mixedfsdp.model.names import canonical_name
 from lightning_mixedfsdp.model.tensors import local_tensor
 

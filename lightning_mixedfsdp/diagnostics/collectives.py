@@ -2,7 +2,8 @@
 
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -70,3 +71,62 @@ def _kind(name: str) -> str:
         if name.startswith(kind):
             return kind
     return name
+
+
+@dataclass(frozen=True)
+class CollectiveBackend:
+    """One collective: its op, the device of its tensors, and its process group's backend for that device (None: the
+    group has none, and the collective cannot run)."""
+
+    op: str
+    device: str
+    backend: Optional[str]
+
+
+@contextmanager
+def checking_collective_backends(strict: bool = True) -> Iterator[List[CollectiveBackend]]:
+    """Record every collective issued inside (``c10d`` and functional collectives, whoever calls them: FSDP, DTensor,
+    the library) with its tensors' device and the backend its group has for that device. ``strict``: a collective
+    whose group has no backend for its tensors' device raises an AssertionError naming it, before it runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_mixedfsdp.compat.torch import collective_process_group, group_backend_for
+
+    records: List[CollectiveBackend] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            namespace = getattr(func, "namespace", "")
+            if namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "_wrap")):
+                group = collective_process_group(list(args) + list((kwargs or {}).values()))
+                devices = {t.device.type for t in _tensors(args)}
+                for device in sorted(devices):
+                    backend = group_backend_for(group, device) if group is not None else None
+                    record = CollectiveBackend(str(func), device, backend)
+                    records.append(record)
+                    if strict and group is not None and backend is None:
+                        raise AssertionError(
+                            f"{func}: a collective on {device} tensors over a process group with no backend for"
+                            f" {device} ({_backend_name(group)})"
+                        )
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        yield records
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _backend_name(group: Any) -> str:
+    import torch.distributed as dist
+
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return "unknown backend"

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mixedfsdp._torch_compat import dtensor_storage
+from lightning_mixedfsdp.compat.torch import dtensor_storage
 
 
 @dataclass

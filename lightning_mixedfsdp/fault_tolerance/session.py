@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_mixedfsdp._torchft_compat import LIGHTHOUSE_LINE, all_reduce_average, check_torchft, make_manager
+from lightning_mixedfsdp.compat.torchft import LIGHTHOUSE_LINE, all_reduce_average, check_torchft, make_manager
 from lightning_mixedfsdp.config import FaultTolerance
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources, heal_state, load_heal_state
 

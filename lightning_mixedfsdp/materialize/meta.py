@@ -37,7 +37,7 @@ from typing import (
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torch_compat import (
+from lightning_mixedfsdp.compat.torch import (
     non_persistent_buffer_names,
     own_buffers,
     own_parameters,

@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 import torch
 from torch import Tensor, nn
 
-from lightning_mixedfsdp._torchao_compat import is_nf4
+from lightning_mixedfsdp.compat.torchao import is_nf4
 from lightning_mixedfsdp.model.names import canonical_name
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part
 from lightning_mixedfsdp.model.tensors import local_tensor
@@ -34,37 +34,56 @@ def stream_into(
     produce: Optional[Iterator[Tuple[Optional[str], Mapping[str, Tensor]]]],
 ) -> None:
     """Fill ``model``'s tensors chunk by chunk. Rank 0 passes ``produce``, yielding per chunk ``(error, tensors)``
-    in the order of ``chunks``; the other ranks pass None. Names missing from the model are skipped (tied copies)."""
+    in the order of ``chunks``; the other ranks pass None. Names missing from the model are skipped (tied copies).
+
+    Rank 0 reads a whole chunk into its broadcast buffers before any rank enters the chunk's broadcasts, so a read
+    that fails (an error ``produce`` reports, a file that breaks while read) reaches every rank as the same error
+    instead of leaving them in a broadcast."""
     import torch.distributed as dist
 
     targets = tensor_targets(model)
     for chunk in chunks:
-        error, tensors = next(produce) if produce is not None else (None, {})
-        status = [error]
+        members = _by_dtype([(name, targets[name]) for name in chunk if name in targets])
+        buffers = {
+            dtype: torch.empty(sum(t.numel() for _, t in group), dtype=dtype, device=local_tensor(group[0][1]).device)
+            for dtype, group in members.items()
+        }
+        status: List[Optional[str]] = [None]
+        if produce is not None:
+            try:
+                error, tensors = next(produce)
+                if error is not None:
+                    raise RuntimeError(error)
+                _pack(members, buffers, tensors)
+            except Exception as failure:
+                status = [f"{type(failure).__name__}: {failure}"]
         dist.broadcast_object_list(status, src=0)
         if status[0] is not None:
             raise RuntimeError(status[0])
-        names = [name for name in chunk if name in targets]
         with torch.no_grad():
-            _broadcast_chunk([(name, targets[name]) for name in names], tensors)
+            for dtype, group in members.items():
+                dist.broadcast(buffers[dtype], src=0)
+                _unpack(group, buffers[dtype])
 
 
-def _broadcast_chunk(targets: List[Tuple[str, Tensor]], full: Mapping[str, Tensor]) -> None:
-    import torch.distributed as dist
-
-    for dtype, members in _by_dtype(targets).items():
-        device = local_tensor(members[0][1]).device
-        flat = torch.empty(sum(t.numel() for _, t in members), dtype=dtype, device=device)
-        if full:
+def _pack(
+    members: Dict[torch.dtype, List[Tuple[str, Tensor]]], buffers: Dict[torch.dtype, Tensor], full: Mapping[str, Tensor]
+) -> None:
+    """Rank 0: the chunk's full tensors into its flat buffers, one dtype each (a lazy mapping reads each tensor here,
+    one at a time)."""
+    with torch.no_grad():
+        for dtype, group in members.items():
             offset = 0
-            for name, target in members:  # a lazy mapping reads each tensor here, one at a time
-                flat[offset : offset + target.numel()].copy_(full[name].reshape(-1))
+            for name, target in group:
+                buffers[dtype][offset : offset + target.numel()].copy_(full[name].reshape(-1))
                 offset += target.numel()
-        dist.broadcast(flat, src=0)
-        offset = 0
-        for _, target in members:
-            _fill(target, flat[offset : offset + target.numel()].view(target.shape))
-            offset += target.numel()
+
+
+def _unpack(group: List[Tuple[str, Tensor]], flat: Tensor) -> None:
+    offset = 0
+    for _, target in group:
+        _fill(target, flat[offset : offset + target.numel()].view(target.shape))
+        offset += target.numel()
 
 
 def _fill(target: Tensor, full: Tensor) -> None:

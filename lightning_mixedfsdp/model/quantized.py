@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_mixedfsdp._torchao_compat import (
+from lightning_mixedfsdp.compat.torchao import (
     NF4_BLOCK,
     NF4_SCALER_BLOCK,
     block_absmax,

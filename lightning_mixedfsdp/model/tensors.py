@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from lightning_mixedfsdp._torch_compat import tree_flatten, tree_unflatten
+from lightning_mixedfsdp.compat.torch import tree_flatten, tree_unflatten
 
 
 def tensors_in(obj: Any) -> Iterable[Tensor]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from torch import nn
 
-from lightning_mixedfsdp._transformers_compat import (
+from lightning_mixedfsdp.compat.transformers import (
     EXPERTS_STYLE,
     SPLIT_STYLE,
     model_ep_plan,

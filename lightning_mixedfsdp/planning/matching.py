@@ -9,7 +9,7 @@ from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Sequence
 
 from torch import nn
 
-from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.config import Dtypes
 from lightning_mixedfsdp.model.names import ModuleIndex, is_within, join_name, named_tensors
 
 HF_NON_STRICT, HF_STRICT = "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"
@@ -49,8 +49,9 @@ class KeepFp32Rules:
     """Honour HF ``_keep_in_fp32_modules`` (the strict list is always honoured)."""
 
     @classmethod
-    def of(cls, config: MixedFSDPConfig) -> "KeepFp32Rules":
-        return cls(tuple(config.keep_fp32_modules), tuple(config.keep_fp32_params), config.honor_hf_keep_in_fp32)
+    def of(cls, dtypes: Dtypes) -> "KeepFp32Rules":
+        """The rules of a config's ``dtypes`` group."""
+        return cls(tuple(dtypes.keep_fp32_modules), tuple(dtypes.keep_fp32_params), dtypes.honor_hf_keep_in_fp32)
 
 
 @dataclass(frozen=True)

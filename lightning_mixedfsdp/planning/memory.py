@@ -16,8 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from lightning_mixedfsdp.planning.planner import ParamPlan, ShardPlan
-from lightning_mixedfsdp.planning.types import ROOT
+from lightning_mixedfsdp.planning.types import ROOT, ParamPlan, ShardPlan
 
 STAGING_BYTES = 2**30
 """Per rank: the shards of 4-bit weights a load reads in their nominal dtype before quantizing them."""

@@ -9,8 +9,9 @@ saw (no dependence on Lightning's sampler epochs or on batches prefetched before
 
 import json
 import sysconfig
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +21,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.inputs import JSONL_SUFFIX, data_files
 from lightning_mixedfsdp.recipes.schema import DataSection
+from lightning_mixedfsdp.strategies.lightning_compat import micro_batches_consumed
 from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
 
 Document = Union[str, bytes]
@@ -196,13 +198,16 @@ ConsecutiveWindows = PackedWindows
 class StreamSampler(Sampler[int]):
     """This rank's share of a global stream of window indices: epoch after epoch, each a seeded permutation of the
     windows; global micro-batch ``b`` takes positions ``b * batch * ranks`` onwards, this rank its own ``batch``
-    of them. Yields micro-batches ``start`` to ``stop - 1``.
+    of them. Yields micro-batches ``start()`` to ``stop - 1``; ``start`` is read when the iteration begins (a heal
+    before the first batch moves it).
 
     Its length is the whole stream's, ``stop`` micro-batches, from the first: a run is one Lightning epoch however
     often it was resumed (every checkpoint is saved inside it), and a resumed Lightning counts the epoch's batches
     from where its checkpoint left off, so that epoch ends with the stream, at ``max_steps``."""
 
-    def __init__(self, windows: int, batch: int, ranks: int, rank: int, seed: int, start: int, stop: int) -> None:
+    def __init__(
+        self, windows: int, batch: int, ranks: int, rank: int, seed: int, start: Callable[[], int], stop: int
+    ) -> None:
         self.windows, self.batch, self.ranks, self.rank = windows, batch, ranks, rank
         self.seed, self.start, self.stop = seed, start, stop
 
@@ -211,7 +216,7 @@ class StreamSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         epoch, order = -1, torch.empty(0, dtype=torch.long)
-        for micro_batch in range(self.start, self.stop):
+        for micro_batch in range(self.start(), self.stop):
             first = (micro_batch * self.ranks + self.rank) * self.batch
             for position in range(first, first + self.batch):
                 if position // self.windows != epoch:
@@ -270,14 +275,15 @@ class TextCorpus(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         ranks, rank = self._data_parallel()
         # restored before this hook runs: a resumed run starts after the micro-batches its checkpoint consumed
+        # (discarded fault-tolerant steps' included), a healed one after the live group's
         trainer = self._launched()
-        start = trainer.global_step * trainer.accumulate_grad_batches
-        if start < self.micro_batches:
+        if micro_batches_consumed(trainer) < self.micro_batches:
             # a run extended from its final checkpoint: that checkpoint's batch was the last of the shorter stream,
             # and Lightning, restoring that mark, would end the epoch and the fit before training; the stream goes on
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = False
         assert self.train_set is not None
         batch = self.data.batch_size
+        start = partial(micro_batches_consumed, trainer)
         sampler = StreamSampler(len(self.train_set), batch, ranks, rank, self.seed, start, self.micro_batches)
         return StreamLoader(self.train_set, batch_size=batch, sampler=sampler, drop_last=True)
 

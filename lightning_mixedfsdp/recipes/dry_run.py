@@ -21,8 +21,9 @@ from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.planning.memory import MemoryEstimate, estimate_io, estimate_memory
-from lightning_mixedfsdp.planning.planner import ShardPlan, plan_sharding
+from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import expert_lines, format_bytes, format_count, format_plan
+from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
 
 
@@ -126,13 +127,17 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     precision = args.precision or precision
     replicate = args.replicate or replicate
     if args.expert_parallel is not None:
-        config = replace(config, expert_parallel_size=args.expert_parallel)
+        config.parallelism = replace(config.parallelism, expert_parallel_size=args.expert_parallel)
     if args.quantize_base is not None:
-        config = replace(config, quantize_base=args.quantize_base)
+        config.memory = replace(config.memory, quantize_base=args.quantize_base)
     if args.offload is not None:
-        config = replace(config, offload=args.offload)
-    experts = config.expert_parallel_size
-    problems = [f"--expert-parallel {experts}: {p}" for p in config.problems() if p.startswith("expert_parallel_size")]
+        config.memory = replace(config.memory, offload=args.offload)
+    experts = config.parallelism.expert_parallel_size
+    problems = [
+        f"--expert-parallel {experts}: {p}"
+        for p in config.problems()
+        if p.startswith("parallelism.expert_parallel_size")
+    ]
     if hf_source is None:
         problems.append("no model: pass --hf-config PATH (or a --recipe whose model names an HF config)")
     if args.lora_rank is not None and args.lora_rank < 1:

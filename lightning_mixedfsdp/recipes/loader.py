@@ -18,6 +18,7 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: b
         problems += input_problems(recipe)
         if launching:
             problems += accelerator_problems(recipe.trainer)
+            problems += strategy_problems(recipe)
     if not problems and launching:  # reading the data needs valid files and tokenizer
         from lightning_mixedfsdp.recipes.data import data_problems
 
@@ -28,6 +29,23 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: b
         listed = "\n".join(f"  - {p}" for p in problems)
         raise RecipeError(f"Recipe has {len(problems)} problems:\n{listed}")
     return recipe
+
+
+def strategy_problems(recipe: Recipe) -> List[str]:
+    """What the strategy's settings cannot do on this machine's accelerator (float8 without float8 matmuls, a missing
+    extra): the questions the strategy asks at construction, asked here so the runner refuses before any launch."""
+    from lightning_mixedfsdp.strategies.settings import setting_problems
+
+    return [f"strategy.{problem}" for problem in setting_problems(recipe.mixed_fsdp_config(), _device_type(recipe))]
+
+
+def _device_type(recipe: Recipe) -> str:
+    name = recipe.trainer.accelerator
+    if name == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if name == "gpu" else name
 
 
 def accelerator_problems(trainer: TrainerSection) -> List[str]:

@@ -64,8 +64,11 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
     if recipe.model.pretrained is not None:
         from lightning_mixedfsdp.recipes.inputs import checkpoint_fp32_patterns
 
-        config.keep_fp32_params = [*config.keep_fp32_params, *checkpoint_fp32_patterns(recipe.model.pretrained)]
-        config.init_meta_params = recipe.peft.enabled
+        config.dtypes.keep_fp32_params = [
+            *config.dtypes.keep_fp32_params,
+            *checkpoint_fp32_patterns(recipe.model.pretrained),
+        ]
+        config.weights.init_meta_params = recipe.peft.enabled
     return config
 
 
@@ -149,25 +152,26 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
 
 
 def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
-    """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer;
-    ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
+    """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer,
+    committed together; ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
     from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
 
     folder = run_folder(recipe)
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
     dtype = DTYPES[recipe.output.export_dtype]
-    strategy.export_safetensors(module.model, folder.export, dtype=dtype)
+
+    def beside_the_weights(directory: Path) -> None:
+        if recipe.model.hf_source() is None:
+            write_reference_config(directory, recipe.model, dtype)
+        if isinstance(datamodule.tokenizer, HFTokenizer):
+            datamodule.tokenizer.save_pretrained(directory)
+        else:
+            write_byte_tokenizer(directory)
+
+    strategy.export_safetensors(module.model, folder.export, dtype=dtype, also_write=beside_the_weights)
     if recipe.peft.enabled:
         strategy.export_adapter(module.model, folder.adapter)
-    if not trainer.is_global_zero:
-        return
-    if recipe.model.hf_source() is None:
-        write_reference_config(folder.export, recipe.model, dtype)
-    if isinstance(datamodule.tokenizer, HFTokenizer):
-        datamodule.tokenizer.save_pretrained(folder.export)
-    else:
-        write_byte_tokenizer(folder.export)
 
 
 def dry_run(recipe: Recipe) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.config import MixedFSDPConfig, flat_names, group_classes, precision_problem
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 from lightning_mixedfsdp.strategies.mixin import STRATEGY_NAME
 
@@ -179,7 +179,8 @@ def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Re
     if path is not None:
         if not Path(path).is_file():
             raise RecipeError(missing_recipe_message(path))
-        found, valid = _check_each_leaf(schema, OmegaConf.to_container(OmegaConf.load(path)), source=path)
+        values = _with_nested_strategy(OmegaConf.to_container(OmegaConf.load(path)))
+        found, valid = _check_each_leaf(schema, values, source=path)
         problems += found
         leaves += valid
     for override in overrides:
@@ -194,7 +195,7 @@ def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Re
         except OmegaConfBaseException as error:
             problems.append(f"override {override!r}: {_first_line(error)}")
             continue
-        found, valid = _check_each_leaf(schema, layer, source=f"override {override!r}")
+        found, valid = _check_each_leaf(schema, _with_nested_strategy(layer), source=f"override {override!r}")
         problems += found
         leaves += valid
     merged = OmegaConf.merge(schema, *(_nested(dotted, value) for dotted, value in leaves))
@@ -258,14 +259,39 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         problems.append("peft.r must be >= 1 and peft.target_modules name at least one module when peft.enabled")
     if recipe.output.export_dtype not in ("bf16", "fp32"):
         problems.append(f"output.export_dtype={recipe.output.export_dtype!r}: use 'bf16' or 'fp32'")
-    experts, replicate = recipe.strategy.expert_parallel_size, recipe.strategy.data_parallel_replicate_size
+    experts, replicate = recipe.strategy.parallelism.expert_parallel_size, recipe.strategy.data_parallel_replicate_size
     shard = recipe.strategy.data_parallel_size or recipe.world_size // max(replicate, 1)
     if isinstance(experts, int) and experts > 1 and shard % experts:
         problems.append(
-            f"strategy.expert_parallel_size={experts} must divide the data-parallel shard ranks ({shard}); use a"
-            " divisor of it, or 1"
+            f"strategy.parallelism.expert_parallel_size={experts} must divide the data-parallel shard ranks ({shard});"
+            " use a divisor of it, or 1"
         )
     return problems
+
+
+def _with_nested_strategy(values: Any) -> Any:
+    """A recipe layer with its ``strategy`` section in the nested spelling: a flat name moves into its group
+    (``strategy.float8_emulate`` -> ``strategy.float8.emulate``) and a group given one value sets its main field
+    (``strategy.float8: rowwise`` -> ``strategy.float8.recipe``); anything else is left for the schema to check."""
+    if not isinstance(values, dict) or not isinstance(values.get("strategy"), dict):
+        return values
+    classes, flat = group_classes(), flat_names()
+    section: Dict[str, Any] = {}
+    for key, value in values["strategy"].items():
+        if key in flat and key not in classes:
+            group, option = flat[key]
+            existing = section.get(group)
+            section[group] = {**(existing if isinstance(existing, dict) else {}), option: value}
+        elif (
+            key in classes and classes[key].MAIN_FIELD is not None and not isinstance(value, dict) and value is not None
+        ):
+            existing = section.get(key)
+            section[key] = {**(existing if isinstance(existing, dict) else {}), classes[key].MAIN_FIELD: value}
+        elif key in classes and isinstance(value, dict) and isinstance(section.get(key), dict):
+            section[key] = {**section[key], **value}
+        else:
+            section[key] = value
+    return {**values, "strategy": section}
 
 
 def _check_each_leaf(

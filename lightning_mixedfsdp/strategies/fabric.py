@@ -14,7 +14,6 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
-from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
 from lightning_mixedfsdp.pipeline import ShardedModels
 from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl, has_dtensor_modules
@@ -26,8 +25,9 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     """FSDP2 for models whose params mix dtypes: keep-fp32 params stay fp32, no hand-written ``fully_shard``.
 
     Arguments are Lightning's ``ModelParallelStrategy``'s, in its order, plus:
-        config: A :class:`~lightning_mixedfsdp.MixedFSDPConfig` (or a mapping of its fields). Keyword ``fields``
-            override it, e.g. ``MixedFSDP2Strategy(keep_fp32_params=[r"A_log$"])``.
+        config: A :class:`~lightning_mixedfsdp.MixedFSDPConfig` (or a mapping of its options). Keyword ``options``
+            override it: an option group or a mapping of its fields (``float8={"recipe": "tensorwise"}``), or a flat
+            name (``keep_fp32_params=[r"A_log$"]``, ``float8="tensorwise"``).
         data_parallel_replicate_size: HSDP: replicas of the sharded model (e.g. one per node). 1 means plain FSDP.
 
     ``parallelize_fn(model, device_mesh)`` is optional (e.g. tensor parallelism), run before the dtype-grouped FSDP
@@ -47,9 +47,16 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         *,
         config: ConfigInput = None,
         data_parallel_replicate_size: int = 1,
-        **fields: Any,
+        **options: Any,
     ) -> None:
-        self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
+        self._intake(
+            config,
+            options,
+            data_parallel_size,
+            data_parallel_replicate_size,
+            tensor_parallel_size,
+            process_group_backend,
+        )
         super().__init__(
             parallelize_fn=parallelize_fn,  # type: ignore[arg-type]
             data_parallel_size=data_parallel_size,
@@ -91,7 +98,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._end_fault_tolerance()
+        self._fault_tolerance.shutdown()
         super().teardown()
 
     @override
@@ -108,25 +115,29 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(path, state, storage_options=storage_options)
-        if not self.writes_checkpoints():  # fault tolerance: another live replica group writes this one
-            return
-        state = self._with_replica_state(state)
         optimizers, module = _optimizers_and_model(state)
-        with self._saving_optimizers(module, optimizers) as absent:
-            to_save = {**state, ABSENT_STATE_KEY: absent} if absent else state
-            self._save_atomically(path, lambda temp: write(temp, to_save, storage_options=None, filter=filter))
+        self._save_checkpoint(
+            path,
+            state,
+            lambda temp, to_save: write(temp, to_save, storage_options=None, filter=filter),
+            self._saving_optimizers(module, optimizers),
+            module,
+        )
 
     @override
     def load_checkpoint(
         self, path: PathLike, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
     ) -> Dict[str, Any]:
-        path = self._recovered(path)
         optimizers, module = _optimizers_and_model(state if isinstance(state, dict) else {})
-        with self._loading_optimizers(path, module, optimizers, weights_only):
-            remainder = super().load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
-        remainder.pop(ABSENT_STATE_KEY, None)
-        self._restore_replica_state(remainder)
-        return remainder
+        read = super().load_checkpoint
+        return self._load_checkpoint(
+            path,
+            module,
+            optimizers,
+            weights_only,
+            lambda at: read(at, state=state, strict=strict, weights_only=weights_only),
+            strict,
+        )
 
     @override
     def clip_gradients_norm(
@@ -139,14 +150,13 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     ) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         # a step whose reduction across replica groups failed is discarded at its vote: its grads may be garbage
-        session = self._replica_session
-        failed = session is not None and session.reduction_failed
+        failed = self._fault_tolerance.reduction_failed
         return clip_grad_norm_(
             self.precision.main_params(optimizer),
             max_norm,
             norm_type,
             error_if_nonfinite and not failed,
-            nonfinite_check=self._config.nonfinite_check,
+            nonfinite_check=self._config.diagnostics.nonfinite_check,
         )
 
 

@@ -1,5 +1,9 @@
 """Every private Lightning API the strategies use, each behind one small function, checked on lightning 2.6.5 and
-2.6.6 (``pyproject.toml`` pins ``lightning>=2.6,<2.7``)."""
+2.6.6 (``pyproject.toml`` pins ``lightning>=2.6,<2.7``).
+
+Private hooks the strategies override rather than call (both ``ModelParallelStrategy`` classes): ``setup_environment``
+is public; ``_get_process_group_backend`` (``mixin.py``: gloo beside NCCL under CPU offload) is private, and
+``_setup_distributed`` calls it to create the process group."""
 
 from typing import Any, Dict, Iterable, Optional
 
@@ -52,32 +56,59 @@ def set_module_device_mesh(lightning_module: nn.Module, mesh: Any) -> None:
 
 
 class TrainerStepCounter:
-    """The Trainer's optimizer-step count (``trainer.global_step``) as a stateful object, so that a fault-tolerant
-    heal gives a restarted replica group the live group's count and ``max_steps`` ends every group at the same step.
-    Private: ``fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total`` (or, under manual
-    optimization, ``manual_optimization.optim_step_progress.total``) and ``epoch_loop._batches_that_stepped``, the
-    counters Lightning's own checkpoint restores."""
+    """The Trainer's position (its optimizer-step count, ``trainer.global_step``, and the loop's counters that follow
+    it) as a stateful object, so that a fault-tolerant heal gives a restarted replica group the live group's step:
+    ``max_steps`` ends every group at the same step, validation runs at the same steps, and the data stream, which
+    reads the micro-batches consumed (:func:`micro_batches_consumed`), goes on from the healed step.
+
+    A heal moves every counter by the steps between the two groups (not to the live group's values: a restarted
+    loop adds its own corrections on resume). Private, Lightning 2.6.5 and 2.6.6: the epoch loop's
+    ``automatic_optimization.optim_progress.optimizer`` (or, under manual optimization,
+    ``manual_optimization.optim_step_progress``), ``scheduler_progress``, ``batch_progress`` and
+    ``_batches_that_stepped``, the counters Lightning's own checkpoint restores."""
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
 
-    def _total(self) -> Any:
-        loop = self._trainer.fit_loop.epoch_loop
-        module = self._trainer.lightning_module
-        if module is None or module.automatic_optimization:
-            return loop.automatic_optimization.optim_progress.optimizer.step.total
-        return loop.manual_optimization.optim_step_progress.total
-
     def state_dict(self) -> Dict[str, int]:
-        total = self._total()
-        return {
-            "completed": int(total.completed),
-            "batches_that_stepped": self._trainer.fit_loop.epoch_loop._batches_that_stepped,
-        }
+        return {"completed": int(_step_progress(self._trainer).total.completed)}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
-        total = self._total()
-        in_flight = total.ready - total.completed  # a heal lands inside a step whose `ready` was counted already
-        total.completed = state["completed"]
-        total.ready = state["completed"] + in_flight
-        self._trainer.fit_loop.epoch_loop._batches_that_stepped = state["batches_that_stepped"]
+        steps = state["completed"] - int(_step_progress(self._trainer).total.completed)
+        if steps == 0:
+            return
+        loop = self._trainer.fit_loop.epoch_loop
+        _step_progress(self._trainer).increment_by(steps)
+        module = self._trainer.lightning_module
+        if module is None or module.automatic_optimization:
+            loop.automatic_optimization.optim_progress.optimizer.zero_grad.increment_by(steps)
+        loop.scheduler_progress.increment_by(steps)
+        loop.batch_progress.increment_by(steps * self._trainer.accumulate_grad_batches)
+        loop._batches_that_stepped += steps
+
+
+def _step_progress(trainer: Any) -> Any:
+    loop = trainer.fit_loop.epoch_loop
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        return loop.automatic_optimization.optim_progress.optimizer.step
+    return loop.manual_optimization.optim_step_progress
+
+
+def undo_optimizer_step(trainer: Any) -> None:
+    """Inside ``Strategy.optimizer_step`` of a step that was not taken (a discarded fault-tolerant step): the step
+    is not counted. Lightning counted it ready before calling the strategy and counts it completed after, and counts
+    the batch as having stepped at the batch's end, so each is taken back here, ahead (Lightning 2.6.5 and 2.6.6:
+    ``automatic.py`` ``_optimizer_step``, ``training_epoch_loop.py`` ``on_advance_end``). The batch stays consumed."""
+    progress = _step_progress(trainer)
+    for tracker in (progress.total, progress.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
+    trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+
+
+def micro_batches_consumed(trainer: Any) -> int:
+    """The training micro-batches consumed so far, discarded steps' included, restored by a resume and moved by a
+    heal: where a resumable data stream goes on (``fit_loop.epoch_loop.batch_progress.total.ready``, Lightning 2.6.5
+    and 2.6.6: after a resume it counts the batch of the checkpoint's step, which Lightning's restart completes)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)

@@ -1,12 +1,10 @@
 """What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only pipeline. Config and
 precision intake (``MixedFSDPConfig.from_input``, ``precision.adopt_precision``), the meshes from ``ParallelDims``,
-handing a module to ``shard_model``, and the optimizer-state hooks around Lightning's own save and load; the work
-itself lives in the rooms below (``mesh.py``, ``pipeline.py``, ``checkpoint/``)."""
+handing a module to ``shard_model``, the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``);
+the save, load and export sequences are ``checkpointing.py``'s, the work itself lives in the rooms below."""
 
 import weakref
-from contextlib import contextmanager
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
 from weakref import WeakSet
 
 import torch
@@ -14,25 +12,19 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_mixedfsdp.checkpoint.atomic import PathLike, recovered, save_atomically
-from lightning_mixedfsdp.checkpoint.export import export_adapter, export_model
-from lightning_mixedfsdp.checkpoint.optimizer_state import (
-    AbsentState,
-    restoring_missing_state,
-    standing_in_for_state_ranks_lack,
-)
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
-from lightning_mixedfsdp.fault_tolerance.session import ReplicaGroupSession, check_fault_tolerance
+from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance, fault_tolerance_for
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, check_sizes
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
-from lightning_mixedfsdp.planning.planner import ShardPlan
+from lightning_mixedfsdp.planning.types import ShardPlan
+from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision, TPlugin, adopt_precision, plugin_or_default
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
+from lightning_mixedfsdp.strategies.process_group import process_group_backend as process_group_backend_for
+from lightning_mixedfsdp.strategies.settings import accelerator_device_type, check_accelerator, check_extras
 
 STRATEGY_NAME = "mixed_fsdp2"
-REPLICA_STATE_KEY = "torchft"
-"""The checkpoint entry holding torchft's step counters, written under fault tolerance; a plain run ignores it."""
 
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
 
@@ -48,48 +40,77 @@ def refuse_fsdp1_modules(module: nn.Module, owner: str) -> None:
         )
 
 
-class MixedFSDP2Mixin:
+class MixedFSDP2Mixin(CheckpointingMixin):
     """The parts of the Fabric and Trainer strategies that are the same. Mixed in before Lightning's
     ModelParallelStrategy of either package, whose own ``setup_environment`` builds the device mesh."""
 
-    _config: MixedFSDPConfig
     _meshes: Optional[ParallelMeshes]
     _sharded: ShardedModels
     _replicate_size: int
     _data_parallel_size: MeshSize
     _tensor_parallel_size: MeshSize
     _device_mesh: Any
-    _save_distributed_checkpoint: bool
+    _process_group_backend: Optional[str]
+    _accelerator: Any
 
     # provided by Lightning's strategies
     num_nodes: int
     num_processes: int
     world_size: int
-    global_rank: int
     root_device: torch.device
-    broadcast: Callable[..., Any]
-    barrier: Callable[..., Any]
 
     def _intake(
-        self, config: ConfigInput, fields: Dict[str, Any], data_parallel: Any, replicate: int, tensor_parallel: Any
+        self,
+        config: ConfigInput,
+        options: Dict[str, Any],
+        data_parallel: Any,
+        replicate: int,
+        tensor_parallel: Any,
+        process_group_backend: Optional[str],
     ) -> None:
-        """Before Lightning's ``__init__``, which already calls the precision setter that needs the config."""
-        self._config = MixedFSDPConfig.from_input(config, fields, type(self).__name__)
-        check_sizes(data_parallel, replicate, tensor_parallel, type(self).__name__)
-        if self._config.fault_tolerance is not None:  # the missing parts of fault tolerance fail before any launch
-            check_fault_tolerance(self._config.fault_tolerance, type(self).__name__)
+        """Before Lightning's ``__init__``, which already calls the precision setter that needs the config. What can be
+        known before any process starts is refused here, once: the config, the mesh sizes, missing extras (torchao,
+        torchft), a process group backend offload cannot use."""
+        owner = type(self).__name__
+        self._config = MixedFSDPConfig.from_input(config, options, owner)
+        check_sizes(data_parallel, replicate, tensor_parallel, owner)
+        check_extras(self._config, owner)
+        if process_group_backend is not None:  # refused now when it has no host part for offload's collectives
+            process_group_backend_for("cuda", process_group_backend, self._host_collectives, owner)
+        self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
         self._replicate_size = replicate
         self._meshes = None
         self._sharded = ShardedModels()
         self._watched: "WeakSet[Optimizer]" = WeakSet()
         # in setup order, the same on every replica group: what a heal transfers, optimizer by optimizer
         self._optimizer_order: List["weakref.ref[Optimizer]"] = []
-        self._replica_session: Optional[ReplicaGroupSession] = None
         # the zero-lr steps that make optimizer state around a save or load are no training steps
         self._making_optimizer_state = False
 
+    @property
+    def _host_collectives(self) -> bool:
+        """Whether collectives meet host tensors (CPU offload), which needs a CPU backend beside NCCL."""
+        return self._config.memory.offload is not None
+
     # the methods below override those of the Lightning strategy this class is mixed into (the type checker sees no
     # base here, so they carry no @override)
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        # Lightning hands the strategy its accelerator while Fabric or the Trainer is constructed: what cannot run on
+        # it is refused then, before any process starts
+        if accelerator is not None:
+            check_accelerator(self._config, accelerator_device_type(accelerator), type(self).__name__)
+        self._accelerator = accelerator
+
+    def _get_process_group_backend(self) -> str:
+        # Lightning's private hook (strategies/lightning_compat.py lists it): gloo beside NCCL under offload
+        requested = self._process_group_backend
+        return process_group_backend_for(self.root_device.type, requested, self._host_collectives, type(self).__name__)
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         if STRATEGY_NAME not in strategy_registry:
@@ -115,20 +136,15 @@ class MixedFSDP2Mixin:
         return self._meshes
 
     @property
+    def fault_tolerance(self) -> NoFaultTolerance:
+        """Fault tolerance's hooks: torchft's replica groups (``fault_tolerance/hooks.py``), or none."""
+        return self._fault_tolerance
+
+    @property
     def torchft_manager(self) -> Any:
         """torchft's own ``Manager`` of this replica group (``current_step()``, ``num_participants()``,
         ``register_state_dict_fn(...)`` for state a heal should carry, such as an LR scheduler under Fabric)."""
-        if self._replica_session is None:
-            raise RuntimeError(
-                f"{type(self).__name__}: torchft_manager exists with fault_tolerance set, once the processes are"
-                " launched (after `fabric.launch()`, or in the Trainer's fit)."
-            )
-        return self._replica_session.manager
-
-    @property
-    def replica_session(self) -> Optional[ReplicaGroupSession]:
-        """This replica group's fault-tolerance session (None without ``fault_tolerance``)."""
-        return self._replica_session
+        return self._fault_tolerance.manager
 
     @property
     def group_sampler_kwargs(self) -> dict:
@@ -139,12 +155,9 @@ class MixedFSDP2Mixin:
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        """The data-parallel ranks; under fault tolerance every replica group's ranks, so each group draws its own
-        part of the data."""
-        if self._replica_session is None:
-            return self.group_sampler_kwargs
+        """The data-parallel ranks; under fault tolerance every replica group's, so each group draws its own part."""
         mesh = self.meshes.data_parallel
-        return self._replica_session.sampler_kwargs(mesh.size(), mesh.get_local_rank())
+        return self._fault_tolerance.sampler_kwargs(mesh.size(), mesh.get_local_rank())
 
     def setup_environment(self) -> None:
         """Lightning's own: device, process group, and its 2-D ``("data_parallel", "tensor_parallel")`` mesh with its
@@ -156,7 +169,7 @@ class MixedFSDP2Mixin:
             self._data_parallel_size,
             self._replicate_size,
             self._tensor_parallel_size,
-            self._config.expert_parallel_size,
+            self._config.parallelism.expert_parallel_size,
             type(self).__name__,
         )
         # Lightning's own strategy sees replicate x shard as its data-parallel size
@@ -165,17 +178,8 @@ class MixedFSDP2Mixin:
         destroy_process_group_at_exit()
         self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
         self._device_mesh = self._meshes.root
-        settings = self._config.fault_tolerance
-        if settings is not None and self._replica_session is None:
-            self._replica_session = ReplicaGroupSession.start(
-                settings,
-                self.root_device,
-                group_rank=self.global_rank,
-                group_world_size=self.world_size,
-                agree=lambda value: self.broadcast(value, src=0),
-                sources=self._heal_sources,
-                owner=type(self).__name__,
-            )
+        agree: Callable[[Any], Any] = lambda value: self.broadcast(value, src=0)  # noqa: E731
+        self._fault_tolerance.start(self.root_device, self.global_rank, self.world_size, agree, self._heal_sources)
 
     def _heal_sources(self) -> HealSources:
         optimizers = [optimizer for optimizer in (ref() for ref in self._optimizer_order) if optimizer is not None]
@@ -186,36 +190,14 @@ class MixedFSDP2Mixin:
         return ()
 
     def _commit_step(self, optimizer: Optimizer) -> bool:
-        """Under fault tolerance, torchft's vote on this step: when it is discarded, its grads are dropped and
-        ``optimizer`` does not step. Always True without."""
-        if self._replica_session is None or self._making_optimizer_state:
-            return True
-        committed = self._replica_session.commit()
-        if not committed:
-            optimizer.zero_grad(set_to_none=True)
-        return committed
+        """Whether ``optimizer`` may step: under fault tolerance torchft's vote on this step (a discarded step's
+        grads are dropped); the zero-lr steps that make optimizer state around a save or load always may."""
+        return self._making_optimizer_state or self._fault_tolerance.commit(optimizer)
 
     def writes_checkpoints(self) -> bool:
         """Whether this launch writes checkpoints: always, except under fault tolerance, where one live replica
         group writes each."""
-        return self._replica_session is None or self._replica_session.writes_checkpoints()
-
-    def _with_replica_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        if self._replica_session is None:
-            return state
-        return {**state, REPLICA_STATE_KEY: self._replica_session.state_dict()}
-
-    def _restore_replica_state(self, remainder: Dict[str, Any]) -> None:
-        """Take torchft's step counters out of a loaded checkpoint's remainder; restore them under fault
-        tolerance (a plain run drops them)."""
-        replica_state = remainder.pop(REPLICA_STATE_KEY, None)
-        if replica_state is not None and self._replica_session is not None:
-            self._replica_session.load_state_dict(replica_state)
-
-    def _end_fault_tolerance(self) -> None:
-        if self._replica_session is not None:
-            self._replica_session.shutdown()
-            self._replica_session = None
+        return self._fault_tolerance.writes_checkpoints()
 
     def _shard(
         self, module: nn.Module, precision: MixedFSDPPrecision, parallelize: Optional[ParallelizeFn]
@@ -223,19 +205,11 @@ class MixedFSDP2Mixin:
         """Hand ``module`` to the pipeline; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
         precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
-        session = self._replica_session
-        sharded = shard_model(
-            module,
-            self._config,
-            precision.bulk,
-            self.meshes,
-            self.root_device,
-            parallelize,
-            cross_replica_reduce=session.reduce if session is not None else None,
-        )
-        if session is not None and sharded.applied is not None:
-            sharded.applied.handles.append(session.watch(sharded.module))
-        if sharded.applied is None:
+        reduce = self._fault_tolerance.cross_replica_reduce
+        sharded = shard_model(module, self._config, precision.bulk, self.meshes, self.root_device, parallelize, reduce)
+        if sharded.applied is not None:
+            sharded.applied.handles.extend(self._fault_tolerance.watch(sharded.module))
+        else:
             mixed = mixed_dtype_fsdp_groups(sharded.module)
             if mixed:
                 raise TypeError(
@@ -250,27 +224,11 @@ class MixedFSDP2Mixin:
 
     def _watch_optimizer(self, optimizer: Optimizer) -> None:
         """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the models'
-        buffers averaged (``buffer_sync="average"``), the float8 all-gather's scales computed (``float8``)."""
+        buffers averaged (``buffers.sync="average"``), the float8 all-gather's scales computed (``float8``)."""
         if optimizer not in self._watched:
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
             self._optimizer_order.append(weakref.ref(optimizer))
-
-    @contextmanager
-    def _saving_optimizers(
-        self, module: Optional[nn.Module], optimizers: Dict[str, Optimizer]
-    ) -> Iterator[AbsentState]:
-        """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others
-        (``checkpoint/optimizer_state.py``); yields the record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
-        self._making_optimizer_state = True
-        try:
-            if module is None or not optimizers:
-                yield {}
-            else:
-                with standing_in_for_state_ranks_lack(module, optimizers) as absent:
-                    yield absent
-        finally:
-            self._making_optimizer_state = False
 
     def _after_optimizer_step(self, *_: Any) -> None:
         if not self._making_optimizer_state:
@@ -279,49 +237,3 @@ class MixedFSDP2Mixin:
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model set up by this strategy)."""
         return self._sharded.plan_of(module)
-
-    def export_safetensors(
-        self,
-        module: nn.Module,
-        directory: PathLike,
-        dtype: torch.dtype = torch.bfloat16,
-        max_shard_bytes: int = 5 * 2**30,
-    ) -> Optional[List[Path]]:
-        """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the tensors the plan keeps in fp32
-        (keep-fp32 params, fp32 buffers) stay fp32. Every rank calls it; rank 0 writes."""
-        return export_model(module, directory, dtype, self.plan_of(module), max_shard_bytes)
-
-    def export_adapter(self, module: nn.Module, directory: PathLike) -> Optional[List[Path]]:
-        """Write the active adapter of a PEFT ``module`` in PEFT's own format (``adapter_model.safetensors`` +
-        ``adapter_config.json``); ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank calls it."""
-        self.plan_of(module)  # set up by this strategy
-        return export_adapter(module, directory)
-
-    def _save_atomically(self, path: PathLike, write: Callable[[Path], None]) -> None:
-        single_file = not self._save_distributed_checkpoint
-        rank_zero = self.global_rank == 0
-        save_atomically(path, write, single_file, self.broadcast, self.barrier, rank_zero, type(self).__name__)
-
-    def _recovered(self, path: PathLike) -> Path:
-        return recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
-
-    @contextmanager
-    def _loading_optimizers(
-        self,
-        path: Path,
-        module: Optional[nn.Module],
-        optimizers: Dict[str, Optimizer],
-        weights_only: Optional[bool] = None,
-    ) -> Iterator[None]:
-        """Around Lightning's load: params whose state the checkpoint lacks (they never got a grad) resume as "no
-        state yet" (``checkpoint/optimizer_state.py``), and the zero-lr steps torch takes to make optimizer state
-        are no training steps (no buffer averaging)."""
-        self._making_optimizer_state = True
-        try:
-            if module is None or not optimizers:
-                yield  # Lightning's load raises its own error, or has no optimizer to load
-            else:
-                with restoring_missing_state(path, module, optimizers, weights_only):
-                    yield
-        finally:
-            self._making_optimizer_state = False

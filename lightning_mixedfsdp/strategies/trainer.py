@@ -1,10 +1,12 @@
 """``Trainer(strategy="mixed_fsdp2")``: Lightning's (Trainer) ModelParallelStrategy with dtype-grouped FSDP2."""
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -15,15 +17,20 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
-from lightning_mixedfsdp.checkpoint.optimizer_state import ABSENT_STATE_KEY, AbsentStateRecord
+from lightning_mixedfsdp.checkpoint.optimizer_state import AbsentStateRecord
 from lightning_mixedfsdp.mesh import MeshSize
 from lightning_mixedfsdp.strategies.lightning_compat import (
     TrainerStepCounter,
     optimizers_to_device,
     set_module_device_mesh,
+    undo_optimizer_step,
 )
 from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, refuse_fsdp1_modules
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
+
+SKIPPED_INTERVAL = "skipped: discarded step"
+"""The interval a step-interval LR scheduler config has while the batch of a discarded step ends: Lightning steps no
+scheduler of an interval it does not know."""
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
@@ -57,9 +64,16 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         *,
         config: ConfigInput = None,
         data_parallel_replicate_size: int = 1,
-        **fields: Any,
+        **options: Any,
     ) -> None:
-        self._intake(config, fields, data_parallel_size, data_parallel_replicate_size, tensor_parallel_size)
+        self._intake(
+            config,
+            options,
+            data_parallel_size,
+            data_parallel_replicate_size,
+            tensor_parallel_size,
+            process_group_backend,
+        )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -68,6 +82,8 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._absent_state = AbsentStateRecord()
+        # the LR scheduler configs while a discarded step's batch ends (its step-interval schedulers skip it)
+        self._discarded_schedulers: Optional[List[Any]] = None
 
     @property
     @override
@@ -120,12 +136,46 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     ) -> Any:
         """Lightning's step; under fault tolerance the closure (forward, backward) runs first and the update only
         when torchft's vote commits the step, as a loss scaler skips one (a discarded step drops its grads)."""
-        if self._replica_session is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        result = closure()
-        if not self._commit_step(optimizer):
-            return result
-        return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+        step = super().optimizer_step
+        return self._fault_tolerance.step_after_closure(
+            optimizer, closure, lambda run: step(optimizer, run, model, **kwargs), self._step_discarded
+        )
+
+    def _step_discarded(self) -> None:
+        """A step torchft's vote discarded: not counted (``global_step`` stays), and the LR schedulers that step per
+        optimizer step skip this batch; the batch stays consumed (the next step trains on the next one)."""
+        assert self.lightning_module is not None
+        undo_optimizer_step(self.lightning_module.trainer)
+        if self._discarded_schedulers is None:
+            self._discarded_schedulers = self.lr_scheduler_configs
+            self.lr_scheduler_configs = [
+                replace(config, interval=SKIPPED_INTERVAL) if config.interval == "step" else config
+                for config in self.lr_scheduler_configs
+            ]
+
+    def _restore_schedulers(self) -> None:
+        if self._discarded_schedulers is not None:
+            self.lr_scheduler_configs, self._discarded_schedulers = self._discarded_schedulers, None
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's; the next batch after a discarded step brings the LR schedulers back (the first strategy hook
+        of a batch, before any callback sees them)."""
+        self._restore_schedulers()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_train_start(self) -> None:
+        """Under fault tolerance the first step's quorum opens here, before the first batch is drawn: a restarted
+        group heals (weights, optimizer, schedulers, the Trainer's step and batch counters) and its data stream then
+        starts at the healed step."""
+        super().on_train_start()
+        self._fault_tolerance.begin_step()
+
+    @override
+    def on_train_end(self) -> None:
+        self._restore_schedulers()
+        super().on_train_end()
 
     @override
     def _heal_others(self) -> Sequence[Any]:
@@ -136,7 +186,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._end_fault_tolerance()
+        self._fault_tolerance.shutdown()
         super().teardown()
 
     @override
@@ -184,22 +234,23 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(checkpoint, filepath, storage_options=storage_options)
-        absent = self._absent_state.take()
-        if not self.writes_checkpoints():  # fault tolerance: another live replica group writes this one
-            return
-        checkpoint = self._with_replica_state(checkpoint)
-        to_save = {**checkpoint, ABSENT_STATE_KEY: absent} if absent else checkpoint
-        self._save_atomically(filepath, lambda temp: write(to_save, temp))
+        absent = self._absent_state.take()  # made while Lightning assembled the checkpoint (optimizer_state)
+        self._save_checkpoint(
+            filepath, checkpoint, lambda temp, to_save: write(to_save, temp), nullcontext(absent), self.lightning_module
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        path = self._recovered(checkpoint_path)
         optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self.optimizers)}
-        with self._loading_optimizers(path, self.lightning_module, optimizers, weights_only):
-            checkpoint = super().load_checkpoint(path, weights_only=weights_only)
-        checkpoint.pop(ABSENT_STATE_KEY, None)
-        self._restore_replica_state(checkpoint)
-        return checkpoint
+        read = super().load_checkpoint
+        return self._load_checkpoint(
+            checkpoint_path,
+            self.lightning_module,
+            optimizers,
+            weights_only,
+            lambda at: read(at, weights_only=weights_only),
+            self.lightning_module is None or self.lightning_module.strict_loading,
+        )
 
     @override
     def remove_checkpoint(self, filepath: PathLike) -> None:

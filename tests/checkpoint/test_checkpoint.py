@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 from tests.scenarios import (
     A_LOG,
     MIXER,
@@ -92,11 +92,6 @@ def _load_then_save(rank: int, world_size: int, folder: str, source: str, target
         if target:
             fabric.save(Path(folder) / f"{mode}-{target}", {"model": model, "optimizer": optimizer})
     return out
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -206,13 +201,13 @@ def test_a_sharded_checkpoint_holds_the_plans_layout_whichever_groups_torch_allo
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_mixedfsdp import MixedFSDPConfig
-    from lightning_mixedfsdp.planning.matching import KeepFp32Rules
+    from lightning_mixedfsdp.planning.options import PlanOptions
     from lightning_mixedfsdp.planning.planner import plan_model
 
     config = MixedFSDPConfig(keep_fp32_params=A_LOG)
-    bulk, rules = config.bulk_dtypes("bf16-true"), KeepFp32Rules.of(config)
+    bulk, options = config.bulk_dtypes("bf16-true"), PlanOptions.of(config)
     layouts = [
-        plan_model(BufferedLlama(MIXER), bulk, rules, mixed_dtype_groups=native).checkpoint_layout
+        plan_model(BufferedLlama(MIXER), bulk, options, mixed_dtype_groups=native).checkpoint_layout
         for native in (False, True)
     ]
     metadata = FileSystemReader(str(folder / "sharded-2ranks")).read_metadata().state_dict_metadata

@@ -140,7 +140,7 @@ def tiny_model_with_extra_layer() -> torch.nn.Module:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_rank_reads_its_own_part_and_loads_what_rank_zero_alone_loads(tmp_path: Path, world_size: int) -> None:
-    from tests.distributed import run_distributed
+    from lightning_mixedfsdp.testing import run_distributed
 
     source = _tied_llama(seed=1).to(torch.bfloat16)
     source.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index

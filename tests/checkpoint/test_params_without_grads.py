@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import accelerator_for, run_distributed
+from lightning_mixedfsdp.testing import accelerator_for
+from tests.conftest import Launch
 from tests.hf_models import tiny_model
 from tests.scenarios import global_batch, make_fabric, rank_slice, train_hf_steps, unwrap
 
@@ -137,9 +138,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return results
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list:
-    return run_distributed(_scenarios, WORLD, str(tmp_path_factory.mktemp("no_grad")), timeout=300)
+LAUNCH = Launch(_scenarios, WORLD, timeout=300)
 
 
 CASES = ("deepseek_v32", "unrouted_expert", "unused_head", "deepseek_v32/full_file", "ranks_differ")

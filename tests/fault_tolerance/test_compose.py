@@ -8,7 +8,8 @@ from typing import List
 
 import pytest
 
-from tests.fault_tolerance.groups import Group, start_lighthouse, stderr_tails, steps
+from lightning_mixedfsdp.testing.replica_groups import Group, start_lighthouse, stderr_tails, steps
+from tests.fault_tolerance.worker import WORKER
 
 pytest.importorskip("torchft")
 
@@ -21,7 +22,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("experts_compiled")
     (folder / "stop").write_text(str(STEPS))
     extra = ["--model", "qwen3_moe", "--expert-parallel", "2", "--compile"]
-    groups: List[Group] = [Group(g, lighthouse.address(), folder, extra=extra) for g in (0, 1)]
+    groups: List[Group] = [Group(g, lighthouse.address(), folder, WORKER, extra=extra) for g in (0, 1)]
     try:
         for group in groups:
             assert group.wait(300) == [0, 0], stderr_tails(folder)

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_mixedfsdp import FaultTolerance, MixedFSDPConfig, MixedFSDPConfigError
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from tests.launch import _free_port, run_distributed
+from lightning_mixedfsdp.testing import free_port, run_distributed
 
 pytest.importorskip("torchft")
 
@@ -67,7 +67,9 @@ def test_fault_tolerance_of_the_wrong_type() -> None:
 
 
 def test_buffer_averaging_under_fault_tolerance() -> None:
-    with pytest.raises(MixedFSDPConfigError, match=r"buffer_sync='average' averages buffers within one replica group"):
+    with pytest.raises(
+        MixedFSDPConfigError, match=r"buffers\.sync='average' averages buffers within one replica group"
+    ):
         MixedFSDPConfig(fault_tolerance=FaultTolerance(**GOOD), buffer_sync="average").validate()
 
 
@@ -131,7 +133,7 @@ def _refusals(rank: int, world_size: int, url: str) -> Dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def refusals() -> Any:
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     return url, run_distributed(_refusals, 2, url, timeout=120)
 
 

@@ -19,8 +19,9 @@ from typing import Any, Dict
 
 import pytest
 
-from tests.fault_tolerance.groups import Group, start_lighthouse, steps, wait_until
-from tests.launch import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
+from lightning_mixedfsdp.testing.replica_groups import Group, start_lighthouse, steps, wait_until
+from tests.fault_tolerance.worker import WORKER
 
 pytest.importorskip("torchft")
 
@@ -33,8 +34,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     lighthouse = start_lighthouse()
     url = lighthouse.address()
     timeline: Dict[str, Any] = {"folder": folder}
-    survivor = Group(0, url, folder)
-    victim = Group(1, url, folder, extra=["--die-in-reduce-at", str(FAULT_STEP)])
+    survivor = Group(0, url, folder, WORKER)
+    victim = Group(1, url, folder, WORKER, extra=["--die-in-reduce-at", str(FAULT_STEP)])
     groups = [survivor, victim]
     try:
         # 1-2: group 1 dies inside the reduction of step FAULT_STEP
@@ -47,7 +48,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
         groups = [survivor]
         wait_until(lambda: _alone_commits(folder) >= 3, "group 0 to commit alone", 60, groups, folder)
         # 3: restart, heal
-        restarted = Group(1, url, folder)
+        restarted = Group(1, url, folder, WORKER)
         groups = [survivor, restarted]
         timeline["first_restart_pid"] = restarted.processes[0].pid
         wait_until(
@@ -71,7 +72,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
         # every group died; both restart from the checkpoint and run two more steps
         (folder / "stop").write_text(str(final + 2))
         (folder / "save").unlink()
-        resumed = [Group(g, url, folder, extra=["--resume", str(folder / "checkpoint")]) for g in (0, 1)]
+        resumed = [Group(g, url, folder, WORKER, extra=["--resume", str(folder / "checkpoint")]) for g in (0, 1)]
         groups = resumed
         timeline["resumed_pids"] = [g.processes[0].pid for g in resumed]
         for group in resumed:
@@ -154,7 +155,7 @@ def test_a_restarted_group_heals_to_the_survivors_step_and_then_equals_it_to_the
 
 
 def test_the_checkpoint_resumes_both_groups_at_its_step_equal_to_the_bit(run: Dict[str, Any]) -> None:
-    from tests.fault_tolerance.groups import records
+    from lightning_mixedfsdp.testing.replica_groups import records
 
     folder, final = run["folder"], run["final"]
     saves = [r for r in records(folder, 0, 0) if r["event"] == "save"]

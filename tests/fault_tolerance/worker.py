@@ -22,7 +22,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from lightning_mixedfsdp.testing.replica_groups import build_fabric, read_step
+
 GROUP_WORLD = 2
+WORKER = "tests.fault_tolerance.worker"
+"""The module each rank of a test's replica group runs."""
 
 
 def digest(model: torch.nn.Module, optimizer: Any) -> str:
@@ -44,34 +48,6 @@ def digest(model: torch.nn.Module, optimizer: Any) -> str:
     return hasher.hexdigest()[:16]
 
 
-def read_step(path: Path) -> Optional[int]:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def strategy_for(replica_id: Optional[int], lighthouse: Optional[str], replicate: int = 1, **fields: Any) -> Any:
-    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-
-    fault_tolerance: Optional[Dict[str, Any]] = None
-    if replica_id is not None:
-        fault_tolerance = dict(
-            replica_id=replica_id,
-            num_replica_groups=2,
-            lighthouse=lighthouse,
-            timeout_s=20,
-            quorum_timeout_s=60,
-            connect_timeout_s=5,
-        )
-    # 200 bytes: the blocks' fp32 norms (256 bytes per block) are sharded groups, the final norm is replicated
-    return MixedFSDP2Strategy(
-        fault_tolerance=fault_tolerance,
-        data_parallel_replicate_size=replicate,
-        **{"replicate_below_bytes": 200, "activation_checkpointing": "full", **fields},
-    )
-
-
 def build(
     replica_id: Optional[int],
     lighthouse: Optional[str],
@@ -81,20 +57,11 @@ def build(
     fields: Optional[Dict[str, Any]] = None,
     **sizes: Any,
 ) -> Any:
-    """Fabric, the set-up model and its optimizer; ``fields`` go to the strategy, ``sizes`` override the tiny
-    model's config (the benchmark's)."""
-    from lightning.fabric import Fabric
-
+    """Fabric, the set-up tiny HF model of ``model_type`` and its optimizer; ``fields`` go to the strategy, ``sizes``
+    override the tiny model's config."""
     from tests.hf_models import tiny_model
 
-    strategy = strategy_for(replica_id, lighthouse, replicate, **(fields or {}))
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="bf16-true")
-    fabric.launch()
-    with fabric.init_module():
-        model = tiny_model(model_type, **sizes)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    return fabric, model, optimizer
+    return build_fabric(replica_id, lighthouse, lambda: tiny_model(model_type, **sizes), world, replicate, fields)
 
 
 def tokens_for(sampler: Dict[str, int], iteration: int, micro: int) -> torch.Tensor:
@@ -165,7 +132,7 @@ def main() -> None:
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        session = strategy.replica_session
+        session = strategy.fault_tolerance.session
         heal = session.last_heal
         write(
             {

@@ -109,7 +109,7 @@ def _cpu_only_unless_a_gpu_per_rank(world_size: int) -> Iterator[None]:
     """The bodies run on gloo, and Lightning's tests ask for ``accelerator="auto"`` with ``devices=N``: on a machine
     with fewer GPUs than ranks (one lent GPU), "auto" would pick CUDA and Lightning would refuse the device count.
     Hide the GPUs from the launched ranks then, so the port runs on the CPU as on a machine without one."""
-    from tests.distributed import accelerator_for
+    from lightning_mixedfsdp.testing import accelerator_for
 
     if accelerator_for(world_size) != "cpu" or not torch.cuda.is_available():
         yield
@@ -142,7 +142,7 @@ class Launches:
         return self._results[key].get(item.nodeid, {}), self._errors.get(key), key[1]
 
     def _launch(self, key: Tuple[str, int]) -> None:
-        from tests.distributed import run_distributed
+        from lightning_mixedfsdp.testing import run_distributed
 
         side, world_size = key
         items = [i for i in self._session.items if i.get_closest_marker(MARKER) and _key(i) == key and not _skipped(i)]

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy as FabricStrategy
 from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy as TrainerStrategy
-from tests.distributed import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 
 
 class FeedForward(nn.Module):

@@ -8,7 +8,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 from tests.hf_models import tiny_model
 from tests.scenarios import make_fabric
 

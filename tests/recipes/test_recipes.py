@@ -22,13 +22,15 @@ def test_schema_defaults_then_file_then_overrides(tmp_path: Path) -> None:
     assert recipe.trainer.devices == 1  # the file wins over the schema
     assert recipe.model.dim == 64
     assert recipe.trainer.precision == Recipe().trainer.precision  # the schema default stays
-    assert recipe.strategy.keep_fp32_params == ["A_log$"]
+    assert recipe.strategy.dtypes.keep_fp32_params == ["A_log$"]
 
 
 def test_expert_parallel_size_is_a_strategy_key_handed_to_the_strategy() -> None:
     recipe = load_recipe(None, ["trainer.devices=4", "strategy.expert_parallel_size=2"])
-    assert recipe.strategy_kwargs()["config"].expert_parallel_size == 2
-    with pytest.raises(RecipeError, match=r"strategy.expert_parallel_size=3 must divide the data-parallel shard ranks"):
+    assert recipe.strategy_kwargs()["config"].parallelism.expert_parallel_size == 2
+    with pytest.raises(
+        RecipeError, match=r"strategy\.parallelism\.expert_parallel_size=3 must divide the data-parallel shard ranks"
+    ):
         load_recipe(None, ["trainer.devices=4", "strategy.expert_parallel_size=3"])
 
 
@@ -55,7 +57,10 @@ def test_every_problem_is_listed_together(tmp_path: Path) -> None:
     assert "unknown key 'trainr'; did you mean 'trainer'?" in message
     assert "data.batch_size='many'" in message
     assert "override 'nonsense' is not key=value" in message
-    assert "strategy.storage='fp64': Invalid value 'fp64', expected one of ['auto', 'keep', 'bf16', 'fp32']" in message
+    assert (
+        "strategy.dtypes.storage='fp64': Invalid value 'fp64', expected one of ['auto', 'keep', 'bf16', 'fp32']"
+        in message
+    )
     assert "model.dim=130 is not divisible by model.n_heads=4" in message
 
 

@@ -9,7 +9,7 @@ from benchmarks.baselines import shard_each_norm_separately
 from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.apply.applier import apply_dtypes
 from lightning_mixedfsdp.planning.report import format_plan
-from tests.distributed import run_distributed
+from lightning_mixedfsdp.testing import run_distributed
 from tests.scenarios import (
     LLAMA,
     describe_params,

@@ -4,10 +4,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import pytest
 import torch
 
-from tests.distributed import accelerator_for, run_distributed
+from lightning_mixedfsdp.testing import accelerator_for
+from tests.conftest import Launch
 from tests.scenarios import (
     A_LOG,
     MIXER,
@@ -201,9 +201,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list:
-    return run_distributed(_scenarios, WORLD, str(tmp_path_factory.mktemp("trainer")), timeout=240)
+LAUNCH = Launch(_scenarios, WORLD, timeout=240)
 
 
 def test_dtypes_after_fit_are_the_planned_ones(results: list) -> None:
@@ -246,7 +244,7 @@ def test_every_buffer_and_metric_state_ends_up_on_the_root_device_after_sharding
 
 
 def test_trainer_activation_checkpointing_is_bit_equal_and_compile_within_bf16_rounding(results: list) -> None:
-    from tests.sharding.test_compose import COMPILE_LOSS_TOLERANCE, COMPILE_MAX_PARAM_DIFF, COMPILE_MEAN_PARAM_DIFF
+    from tests.composed.test_compose import COMPILE_LOSS_TOLERANCE, COMPILE_MAX_PARAM_DIFF, COMPILE_MEAN_PARAM_DIFF
 
     eager, checkpointed, compiled = (results[0][k] for k in ("eager", "ac", "ac_compile"))
     assert checkpointed["losses"] == eager["losses"]

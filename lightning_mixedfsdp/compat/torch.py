@@ -1,0 +1,305 @@
+"""Every private torch API the library uses, each behind one small function.
+
+Each access notes the torch versions it was checked on. Where versions differ, the branch is chosen by feature
+(``hasattr``), not by version number, so a release that back-ports a change takes the right path. The test suite runs
+on every version in ``pyproject.toml``'s range (2.11 to 2.15); ``tests/compat/test_torch_compat.py`` exercises each
+function on the installed version.
+"""
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+# ---- FSDP2 internals ------------------------------------------------------------------------------------------------
+
+
+def fsdp_param_groups(module: nn.Module) -> List[Any]:
+    """The ``FSDPParamGroup``s of one ``FSDPModule`` (the module's own group; list-form ``fully_shard`` shares one).
+
+    ``FSDPModule._get_fsdp_state()`` is private; see :func:`fsdp_param_groups_of_state`.
+    """
+    return fsdp_param_groups_of_state(module._get_fsdp_state())  # type: ignore[operator]
+
+
+def fsdp_param_groups_of_state(state: Any) -> List[Any]:
+    """The param groups of an ``FSDPState`` (private): torch 2.11 and 2.12 hold one group or None in
+    ``_fsdp_param_group``; 2.13 to 2.15 hold a list in ``_fsdp_param_groups``."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def gradient_divide_factor(module: nn.Module) -> Optional[float]:
+    """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own groups, if any.
+
+    Private ``FSDPParamGroup.gradient_divide_factor`` (no public getter), checked on torch 2.11 to 2.15.
+    """
+    groups = fsdp_param_groups(module)
+    return groups[0].gradient_divide_factor if groups else None
+
+
+def reset_fsdp_iter_state(root: nn.Module) -> None:
+    """Recover FSDP2's state after a forward or backward that raised, then drop the grads the failed backward left.
+
+    ``FSDPModule.reset_iter_state`` is public from torch 2.13; on 2.11 and 2.12 the same reset is made here on the
+    private state 2.13's ``FSDPState._reset_iter_state`` clears (checked against 2.11.0's ``FSDPState``,
+    ``FSDPParamGroup`` and ``FSDPCommContext``, which hold one reduce-scatter state instead of a list). The unsharded
+    grads of a partial backward (``FSDPParam._unsharded_param.grad``, and on 2.11 to 2.14 the separate
+    ``unsharded_accumulated_grad``) survive the reset of 2.13 and 2.14 and are dropped here on every version. 2.15's
+    reset drops them itself (and the sharded grads too) and makes ``unsharded_accumulated_grad`` a read-only view of
+    ``_unsharded_param.grad``, which has no setter: it is cleared only where it is a plain attribute (checked on
+    2.11.0, 2.13.0, 2.14.1 and 2.15.0).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        reset()
+    else:
+        _reset_iter_state_before_2_13(root)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module):
+                for fsdp_param in group.fsdp_params:
+                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    if not isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+                        fsdp_param.unsharded_accumulated_grad = None
+
+
+def _reset_iter_state_before_2_13(root: nn.Module) -> None:
+    """2.13's ``FSDPState._reset_iter_state`` on 2.11/2.12's private attributes (checked on 2.11.0)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    stream = state._device_handle.current_stream()
+    comm_ctx = state._comm_ctx
+    all_gather, reduce_scatter = comm_ctx.all_gather_state, comm_ctx.reduce_scatter_state
+    for pending in (all_gather, reduce_scatter):
+        if pending is not None and pending.event is not None:
+            stream.wait_event(pending.event)
+    comm_ctx.all_gather_state = comm_ctx.reduce_scatter_state = None
+    comm_ctx.post_forward_order.clear()
+    for module_state in state._state_ctx.all_states:
+        module_state._modules_to_run_forward.clear()
+        module_state._training_state = TrainingState.IDLE
+        for group in fsdp_param_groups_of_state(module_state):
+            result = group._all_gather_result
+            if result is not None and result.all_gather_event is not None:
+                stream.wait_event(result.all_gather_event)
+            if result is not None and isinstance(result.all_gather_work, torch.distributed.distributed_c10d.Work):
+                result.all_gather_work.wait()
+            for event in (group._post_reduce_event, getattr(group._all_reduce_state, "event", None)):
+                if event is not None:
+                    stream.wait_event(event)
+            group._all_gather_result = group._post_reduce_event = group._all_reduce_state = None
+            group._reshard_after_forward_event = group._partial_reduce_output = None
+            group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+# ---- device meshes --------------------------------------------------------------------------------------------------
+
+
+def flatten_mesh(mesh: "DeviceMesh", name: str) -> "DeviceMesh":
+    """All dims of ``mesh`` flattened into one named dim. ``DeviceMesh._flatten`` is private and has no public
+    replacement on torch 2.11 to 2.15. Keep the returned object: slicing the flattened dim back out of the root mesh
+    is deprecated."""
+    if mesh.ndim == 1:
+        return mesh
+    return mesh._flatten(name)
+
+
+# ---- autograd engine ------------------------------------------------------------------------------------------------
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward finishes. ``Variable._execution_engine.queue_callback`` is private,
+    checked on torch 2.11 to 2.15; FSDP2 queues its own post-backward callback the same way."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_backward() -> bool:
+    """Whether the autograd engine is running (a forward inside a backward, e.g. an activation-checkpoint
+    recompute). ``torch._C._current_graph_task_id`` is private, checked on torch 2.11 to 2.15: -1 outside."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def active_saved_tensor_hooks() -> Optional[Tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
+    """The (pack, unpack) saved-tensor hooks in force right now (an activation checkpoint's, a user's), if any.
+    ``torch._C._autograd._top_saved_tensors_default_hooks`` is private, checked on torch 2.11 to 2.15."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def inside_activation_checkpoint() -> bool:
+    """Whether the hooks in force are ``torch.utils.checkpoint``'s (non-reentrant: its forward or its recompute),
+    told by the module that defines them (checked on torch 2.11 to 2.15)."""
+    hooks = active_saved_tensor_hooks()
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
+
+
+# ---- activation checkpointing ---------------------------------------------------------------------------------------
+
+
+def checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    """torch's non-reentrant ``checkpoint_wrapper``; its module path (``torch.distributed.algorithms._checkpoint``)
+    is private, checked on torch 2.11 to 2.15. torchtitan imports it from the same place."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrap
+
+    return wrap(module)
+
+
+# ---- foreach kernels ------------------------------------------------------------------------------------------------
+
+
+def foreach_norm(tensors: Sequence[Tensor], norm_type: float) -> Sequence[Tensor]:
+    """Per-tensor norms in fp32, one kernel per call. ``torch._foreach_norm`` is private (``clip_grad_norm_`` uses
+    it), checked on torch 2.11 to 2.15."""
+    return torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32)
+
+
+def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
+    """In-place multiply of every tensor by a 0-dim tensor, one kernel. ``torch._foreach_mul_`` is private,
+    checked on torch 2.11 to 2.15."""
+    torch._foreach_mul_(list(tensors), scalar)
+
+
+def assert_on_device(condition: Tensor, message: str) -> None:
+    """Assert a boolean device tensor without waiting for it: ``torch._assert_async`` (private, checked on torch 2.11
+    to 2.15). On CUDA a failed assert aborts the kernels queued after it and surfaces as a RuntimeError
+    ("device-side assert triggered") at the next call that waits for the device."""
+    torch._assert_async(condition, message)
+
+
+# ---- pytrees ---------------------------------------------------------------------------------------------------------
+
+
+def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
+    """Leaves and structure of nested tuples, lists, dicts and registered containers (HF ``ModelOutput``).
+    ``torch.utils._pytree`` is private, checked on torch 2.11 to 2.15."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)
+
+
+def tree_unflatten(leaves: List[Any], spec: Any) -> Any:
+    """The inverse of :func:`tree_flatten` (``torch.utils._pytree``, private, checked on torch 2.11 to 2.15)."""
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    return unflatten(leaves, spec)
+
+
+# ---- module internals -----------------------------------------------------------------------------------------------
+
+
+def replace_parameter(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    """Set ``module``'s own param ``name`` without ``nn.Module.__setattr__``'s checks (which refuse a plain tensor
+    where a param was, and would route through a class property). ``Module._parameters`` is private, stable on
+    torch 2.11 to 2.15; FSDP2 writes it the same way."""
+    module._parameters[name] = param
+
+
+def replace_buffer(module: nn.Module, name: str, buffer: Optional[Tensor]) -> None:
+    """Set ``module``'s own buffer ``name``, keeping its persistence. ``Module._buffers`` is private, stable on
+    torch 2.11 to 2.15."""
+    module._buffers[name] = buffer
+
+
+def own_parameters(module: nn.Module) -> dict:
+    """``module``'s own params by attribute name, ``None`` entries included (``Module._parameters``; read-only)."""
+    return dict(module._parameters)
+
+
+def own_parameter(module: nn.Module, name: str) -> Optional[Tensor]:
+    """``module``'s own param ``name`` as it is stored (``Module._parameters``; read-only, no copy of the dict)."""
+    return module._parameters[name]
+
+
+def own_buffers(module: nn.Module) -> dict:
+    """``module``'s own buffers by attribute name, ``None`` entries included (``Module._buffers``; read-only)."""
+    return dict(module._buffers)
+
+
+def non_persistent_buffer_names(module: nn.Module) -> frozenset:
+    """Names of ``module``'s own buffers that no state dict holds (``Module._non_persistent_buffers_set``, private,
+    stable on torch 2.11 to 2.15)."""
+    return frozenset(module._non_persistent_buffers_set)
+
+
+# ---- DTensor internals ----------------------------------------------------------------------------------------------
+
+
+def dtensor_storage(tensor: Tensor) -> Tensor:
+    """The local tensor a DTensor holds (``DTensor._local_tensor``): the object its in-place ops write to, so an
+    autograd leaf made of it stays the param's own storage. ``to_local()`` would give a fresh view through an autograd
+    function (about 150 us of Python per call and backward). Private, the same on torch 2.11 to 2.15."""
+    return tensor._local_tensor  # type: ignore[attr-defined]
+
+
+def dtensor_with_local(template: Tensor, local: Tensor) -> Tensor:
+    """A DTensor with ``template``'s mesh, placements and metadata holding ``local`` (shape, stride and dtype equal to
+    ``template``'s local tensor, or for a 4-bit template its nominal ones): ``DTensor(local, spec,
+    requires_grad=False)``, the constructor ``from_local`` ends in, without recomputing the spec (about 70 us of
+    Python). Private, the same on torch 2.11 to 2.15."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, template._spec, requires_grad=False)  # type: ignore[attr-defined]
+
+
+# ---- distributed checkpoint -----------------------------------------------------------------------------------------
+
+
+def local_chunk(tensor: Tensor) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """``(offsets, sizes)`` of this rank's part of ``tensor`` in the global tensor (all of it for a plain tensor).
+
+    ``DTensor.__create_chunk_list__`` is the protocol DCP's planners use (not public API; the same on 2.11 to 2.15).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        chunks = tensor.__create_chunk_list__()
+        if chunks:
+            return tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+        return tuple(0 for _ in tensor.shape), tuple(0 for _ in tensor.shape)
+    return tuple(0 for _ in tensor.shape), tuple(tensor.shape)
+
+
+def collective_process_group(args: Sequence[Any]) -> Any:
+    """The process group of a c10d op seen by a dispatch mode: ``c10d.*`` ops carry it as a boxed ``ScriptObject``
+    (``ProcessGroup.unbox``), ``_c10d_functional.*`` ops by name (``_resolve_process_group``); None when neither is
+    among ``args``. Private: both checked on torch 2.11 to 2.15."""
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(arg)
+            except (RuntimeError, TypeError):  # a ScriptObject of another kind (a ReduceOp)
+                continue
+    for arg in args:
+        if isinstance(arg, str):
+            try:
+                return _resolve_process_group(arg)  # type: ignore[arg-type]  # a group name
+            except (RuntimeError, ValueError, KeyError):
+                continue
+    return None
+
+
+def group_backend_for(group: Any, device_type: str) -> Optional[str]:
+    """The name of the backend ``group`` runs ``device_type`` tensors' collectives on, or None when it has none
+    (``ProcessGroup._get_backend``, private; raises without one on torch 2.11 to 2.15)."""
+    try:
+        return type(group._get_backend(torch.device(device_type))).__name__
+    except RuntimeError:
+        return None

@@ -1,0 +1,158 @@
+"""The one save and load sequence both strategies run around Lightning's own, and the exports.
+
+A save: under fault tolerance only the replica group that writes this checkpoint goes on; fault tolerance's state is
+added; params whose optimizer state only some ranks hold get a stand-in (``checkpoint/optimizer_state.py``); the
+checkpoint is written beside its path and committed by rename (``checkpoint/atomic.py``). A load: an interrupted
+commit is recovered; params whose state the checkpoint lacks resume as "no state yet"; the stand-in record and fault
+tolerance's entry are taken out of what Lightning returns."""
+
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mixedfsdp.checkpoint.atomic import PathLike, recovered, save_atomically
+from lightning_mixedfsdp.checkpoint.export import AlsoWrite, export_adapter, export_model
+from lightning_mixedfsdp.checkpoint.fingerprint import FINGERPRINT_KEY, fingerprint_differences, frozen_fingerprints
+from lightning_mixedfsdp.checkpoint.optimizer_state import (
+    ABSENT_STATE_KEY,
+    AbsentState,
+    restoring_missing_state,
+    standing_in_for_state_ranks_lack,
+)
+from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
+from lightning_mixedfsdp.planning.types import ShardPlan
+
+WriteCheckpoint = Callable[[Path, Dict[str, Any]], None]
+"""Lightning's own save of a state into a path."""
+
+
+class CheckpointingMixin:
+    """Save, load and export for the Fabric and Trainer strategies (mixed in with :class:`MixedFSDP2Mixin`)."""
+
+    _config: MixedFSDPConfig
+    _fault_tolerance: NoFaultTolerance
+    _making_optimizer_state: bool
+    _save_distributed_checkpoint: bool
+    global_rank: int
+    broadcast: Callable[..., Any]
+    barrier: Callable[..., Any]
+    plan_of: Callable[[nn.Module], ShardPlan]
+
+    def _save_checkpoint(
+        self,
+        path: PathLike,
+        state: Dict[str, Any],
+        write: WriteCheckpoint,
+        absent: Any,
+        module: Optional[nn.Module],
+    ) -> None:
+        """The save sequence; ``absent`` is the context that yields what stands in for missing optimizer state,
+        ``module`` the model whose frozen base the checkpoint fingerprints (none: no fingerprint)."""
+        if not self._fault_tolerance.writes_checkpoints():  # another live replica group writes this one
+            return
+        state = self._fault_tolerance.with_state(state)
+        fingerprints = frozen_fingerprints(module) if module is not None else {}
+        if fingerprints:
+            state = {**state, FINGERPRINT_KEY: fingerprints}
+        with absent as standing_in:
+            to_save = {**state, ABSENT_STATE_KEY: standing_in} if standing_in else state
+            single_file = not self._save_distributed_checkpoint
+            save_atomically(
+                path,
+                lambda temp: write(temp, to_save),
+                single_file,
+                self.broadcast,
+                self.barrier,
+                self.global_rank == 0,
+                type(self).__name__,
+            )
+
+    def _load_checkpoint(
+        self,
+        path: PathLike,
+        module: Optional[nn.Module],
+        optimizers: Dict[str, Optimizer],
+        weights_only: Optional[bool],
+        read: Callable[[Path], Dict[str, Any]],
+        strict: bool,
+    ) -> Dict[str, Any]:
+        """The load sequence around Lightning's ``read``; returns what Lightning returns, our entries taken out. The
+        frozen base is compared with the checkpoint's fingerprint: a different one raises under ``strict``, warns
+        otherwise."""
+        path = recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
+        with self._loading_optimizers(path, module, optimizers, weights_only):
+            loaded = read(path)
+        loaded.pop(ABSENT_STATE_KEY, None)
+        self._fault_tolerance.restore_state(loaded)
+        saved = loaded.pop(FINGERPRINT_KEY, None)
+        if saved is not None and module is not None:
+            self._check_frozen_base(path, saved, frozen_fingerprints(module), strict)
+        return loaded
+
+    def _check_frozen_base(self, path: Path, saved: Dict[str, str], current: Dict[str, str], strict: bool) -> None:
+        problems = fingerprint_differences(saved, current)
+        if not problems:
+            return
+        message = (
+            f"{type(self).__name__}: the model's frozen base is not the one the checkpoint {str(path)!r} was trained"
+            f" on ({'; '.join(problems)}). Checkpoints leave the frozen (4-bit) base out: load the pretrained weights"
+            " into the model after setup (`lightning_mixedfsdp.load_full_weights(model, '<pretrained folder>')`,"
+            " or the recipe's model.pretrained), then load the checkpoint."
+        )
+        if strict:
+            raise ValueError(message + " With strict=False the checkpoint loads with a warning instead.")
+        warnings.warn(message, stacklevel=3)
+
+    def _saving_optimizers(self, module: Optional[nn.Module], optimizers: Dict[str, Optimizer]) -> ContextManager:
+        """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others; yields the
+        record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
+        return self._making_state(
+            standing_in_for_state_ranks_lack(module, optimizers) if module is not None and optimizers else None
+        )
+
+    def _loading_optimizers(
+        self, path: Path, module: Optional[nn.Module], optimizers: Dict[str, Optimizer], weights_only: Optional[bool]
+    ) -> ContextManager:
+        """Around Lightning's load: params whose state the checkpoint lacks (they never got a grad) resume as "no
+        state yet"; the zero-lr steps torch takes to make optimizer state are no training steps."""
+        restoring = restoring_missing_state(path, module, optimizers, weights_only) if module is not None else None
+        return self._making_state(restoring if optimizers else None)
+
+    @contextmanager
+    def _making_state(self, inner: Optional[ContextManager]) -> Iterator[AbsentState]:
+        self._making_optimizer_state = True
+        try:
+            if inner is None:
+                yield {}
+            else:
+                with inner as value:
+                    yield value or {}
+        finally:
+            self._making_optimizer_state = False
+
+    def export_safetensors(
+        self,
+        module: nn.Module,
+        directory: PathLike,
+        dtype: torch.dtype = torch.bfloat16,
+        max_shard_bytes: int = 5 * 2**30,
+        also_write: Optional[AlsoWrite] = None,
+    ) -> Optional[List[Path]]:
+        """Consolidate ``module``'s weights into HF-style safetensors in ``dtype``; the tensors the plan keeps in fp32
+        (keep-fp32 params, fp32 buffers) stay fp32. Every rank calls it; rank 0 writes, committing the whole export
+        at once (``also_write(folder)``: more files of yours in it, on rank 0, e.g. a tokenizer). Each rank holds at
+        most about ``weights.export_chunk_bytes`` of a tensor at once."""
+        chunk = self._config.weights.export_chunk_bytes
+        return export_model(module, directory, dtype, self.plan_of(module), max_shard_bytes, chunk, also_write)
+
+    def export_adapter(self, module: nn.Module, directory: PathLike) -> Optional[List[Path]]:
+        """Write the active adapter of a PEFT ``module`` in PEFT's own format (``adapter_model.safetensors`` +
+        ``adapter_config.json``); ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank calls it."""
+        self.plan_of(module)  # set up by this strategy
+        return export_adapter(module, directory)

@@ -1,0 +1,60 @@
+"""Settings refused before any process starts: what a strategy's constructor and the accelerator Lightning hands it
+can tell (the extras a setting needs are installed; float8 has a device with float8 matmuls, whatever the plan's size
+filter will decide). The recipe loader asks the same questions (``setting_problems``), so a recipe is refused once,
+before launch, with every problem at once."""
+
+from typing import Any, List
+
+from lightning_mixedfsdp.config import MixedFSDPConfig
+
+
+def setting_problems(config: MixedFSDPConfig, device_type: str) -> List[str]:
+    """What cannot run with these settings on ``device_type`` (``cpu``, ``cuda``, ...), each with its fix."""
+    from lightning_mixedfsdp.compat.torchao import FLOAT8_INSTALL_LINE, INSTALL_LINE, torchao_installed
+
+    problems = []
+    recipe = config.float8.recipe
+    if recipe is not None and not config.float8.emulate and device_type != "cuda":
+        problems.append(
+            f"float8.recipe={recipe!r} needs float8 matmuls, which the {device_type.upper()} lacks (a CUDA GPU of"
+            " compute capability 8.9 or later: L4, L40S, H100, H200, B200). Set float8.emulate=True to emulate"
+            " them in the compute dtype (float8's numerics, no speed gain), or leave float8 off."
+        )
+    if recipe is not None and not torchao_installed():
+        problems.append(f"float8.recipe={recipe!r} needs torchao, which is not installed: {FLOAT8_INSTALL_LINE}")
+    if config.memory.quantize_base is not None and not torchao_installed():
+        problems.append(
+            f"memory.quantize_base={config.memory.quantize_base!r} needs torchao's NF4 tensor, which is not"
+            f" installed: {INSTALL_LINE}"
+        )
+    return problems
+
+
+def check_extras(config: MixedFSDPConfig, owner: str) -> None:
+    """Refuse settings whose optional packages are missing (an ImportError naming ``owner``, with the install
+    line), before any process starts."""
+    missing = [problem for problem in setting_problems(config, "cuda") if "not installed" in problem]
+    if missing:
+        raise ImportError(f"{owner}: " + " ".join(missing))
+
+
+def check_accelerator(config: MixedFSDPConfig, device_type: str, owner: str) -> None:
+    """Refuse settings that cannot run on the accelerator Lightning chose (a ValueError naming ``owner``)."""
+    problems = [p for p in setting_problems(config, device_type) if "not installed" not in p]
+    if problems:
+        raise ValueError(f"{owner}: " + " ".join(problems))
+
+
+def accelerator_device_type(accelerator: Any) -> str:
+    """The device type of a Lightning accelerator (``cpu``, ``cuda``, ``mps``), by Lightning's own classes."""
+    from lightning.fabric.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator
+
+    for kind, name in ((CUDAAccelerator, "cuda"), (CPUAccelerator, "cpu"), (MPSAccelerator, "mps")):
+        if isinstance(accelerator, kind):
+            return name
+    from lightning.pytorch.accelerators import CPUAccelerator as TrainerCPU
+    from lightning.pytorch.accelerators import CUDAAccelerator as TrainerCUDA
+
+    if isinstance(accelerator, TrainerCUDA):
+        return "cuda"
+    return "cpu" if isinstance(accelerator, TrainerCPU) else type(accelerator).__name__.lower()

@@ -1,0 +1,114 @@
+"""Every function of ``_torch_compat.py`` on the installed torch: the compat subset CI runs on the oldest and the newest
+torch of the range (the distributed ones on one real FSDP2 module, with its real state)."""
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.compat import torch as compat
+from lightning_mixedfsdp.testing import run_distributed
+
+
+def test_foreach_norm_and_mul_match_the_plain_ops() -> None:
+    tensors = [torch.randn(5, dtype=torch.bfloat16), torch.randn(3, 2)]
+    norms = compat.foreach_norm(tensors, 2.0)
+    assert [n.dtype for n in norms] == [torch.float32, torch.float32]
+    for norm, tensor in zip(norms, tensors, strict=True):
+        torch.testing.assert_close(norm, tensor.float().norm())
+    scaled = [t.clone() for t in tensors]
+    compat.foreach_mul_(scaled, torch.tensor(0.5))
+    for got, tensor in zip(scaled, tensors, strict=True):
+        assert torch.equal(got, tensor * 0.5)
+
+
+def test_assert_on_device_raises_on_the_cpu_with_the_message() -> None:
+    compat.assert_on_device(torch.tensor(True), "never")
+    with pytest.raises(RuntimeError, match="norm is not finite"):
+        compat.assert_on_device(torch.tensor(False), "norm is not finite")
+
+
+def test_module_internals_replace_and_read_own_tensors() -> None:
+    module = nn.Linear(2, 2)
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    replacement = nn.Parameter(torch.ones(2, 2))
+    compat.replace_parameter(module, "weight", replacement)
+    compat.replace_buffer(module, "scratch", torch.ones(1))
+    assert compat.own_parameters(module)["weight"] is replacement and module.weight is replacement
+    assert torch.equal(compat.own_buffers(module)["scratch"], torch.ones(1))
+    assert compat.non_persistent_buffer_names(module) == frozenset({"scratch"})
+
+
+def test_the_engine_runs_a_queued_callback_after_backward_and_reports_being_inside_it() -> None:
+    seen: List[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: compat.queue_after_backward(lambda: seen.append(compat.inside_backward())))
+    assert not compat.inside_backward()
+    y.sum().backward()
+    assert seen == [True]
+
+
+def test_checkpoint_wrapper_recomputes_with_the_same_grads() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    wrapped = compat.checkpoint_wrapper(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    wrapped.load_state_dict(plain.state_dict())  # the wrapper's state dict hooks strip its prefix
+    x = torch.randn(3, 4)
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    assert torch.equal(plain[0].weight.grad, wrapped._checkpoint_wrapped_module[0].weight.grad)
+
+
+def _fsdp_state(rank: int, world_size: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    flat = compat.flatten_mesh(mesh, "data_parallel")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        fully_shard(model[0], mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        model[0].set_gradient_divide_factor(4.0)
+        model[0].set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        return model
+
+    model, reference = build(), build()
+    groups = compat.fsdp_param_groups(model[0])
+    torch.manual_seed(rank)
+    x = torch.randn(2, 4)
+
+    # fail mid-backward: the root's own Linear already has its grad, the inner unit's backward never comes
+    def fail_in_backward(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
+
+    handle = model[0].register_forward_hook(fail_in_backward)
+    failing = model(x)
+    handle.remove()
+    with pytest.raises(RuntimeError, match="injected"):
+        failing.sum().backward()
+    compat.reset_fsdp_iter_state(model)  # after a backward that raised, the next step must run cleanly
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    return {
+        "groups": len(groups),
+        "divide_factor": compat.gradient_divide_factor(model[0]),
+        "flat": (flat.ndim, flat.size(), flat.mesh_dim_names),
+        "grads": [p.grad.full_tensor() for p in model.parameters()],
+        "reference_grads": [p.grad.full_tensor() for p in reference.parameters()],
+    }
+
+
+def test_fsdp_state_accessors_and_the_reset_after_a_failed_backward() -> None:
+    for result in run_distributed(_fsdp_state, 2):
+        assert (result["groups"], result["divide_factor"], result["flat"]) == (1, 4.0, (1, 2, ("data_parallel",)))
+        # the recovered step's grads are a clean step's: nothing of the failed backward was added to them
+        assert len(result["grads"]) == 4
+        for got, expected in zip(result["grads"], result["reference_grads"], strict=True):
+            assert torch.equal(got, expected)

@@ -1,0 +1,214 @@
+"""One dtype decision per tensor: every buffer rule on real HF models, on 2 ranks, after setup and after a checkpoint
+round trip (Fabric's DCP save and load into a fresh model)."""
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.planning.report import format_plan
+from tests.conftest import Launch
+from tests.hf_models import tiny_model
+from tests.scenarios import TOWER_UNITS, TowerModel, make_fabric, unwrap
+
+WORLD = 2
+FLAGS = ("bf16-true", "bf16-mixed", "32-true")
+ROPE = ("model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq")
+ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+class FrozenLlamaTower(nn.Module):
+    """A frozen HF LlamaModel (a tower with RoPE buffers) feeding a trainable head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = tiny_model("llama").model
+        self.head = nn.Linear(32, 1)
+        self.tower.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tower(input_ids=input_ids).last_hidden_state)
+
+
+def _tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every param (full) and floating buffer, by canonical name."""
+    from torch.distributed.tensor import DTensor
+
+    inner = unwrap(model)
+    out = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in inner.named_parameters()}
+    out.update({n: b.detach().clone() for n, b in inner.named_buffers() if b.is_floating_point()})
+    return out
+
+
+def _round_trip(
+    build: Any, precision: str, folder: Path, strategy_fields: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """Set up ``build(0)`` and train one step, save; set up ``build(1)``, load; both states and the plan."""
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    fields = strategy_fields or {}
+    fabric = make_fabric(WORLD, precision, MixedFSDP2Strategy(**fields))
+    model = fabric.setup(build(0))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(fabric.global_rank))
+    output = model(input_ids=tokens)
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    fabric.backward(logits.float().pow(2).mean())
+    optimizer.step()
+    plan = fabric.strategy.plan_of(model)
+    saved = _tensors(model)
+    fabric.save(folder, {"model": model})
+    fresh = fabric.setup(build(1))
+    fabric.load(folder, {"model": fresh})
+    rules = {
+        **{n: None if p.rule is None else str(p.rule) for n, p in plan.params.items()},
+        **{n: b.set_by for n, b in plan.buffers.items()},
+    }
+    return {"saved": saved, "loaded": _tensors(fresh), "rules": rules, "report": format_plan(plan)}
+
+
+def _llama(seed: int) -> nn.Module:
+    return tiny_model("llama", seed=seed)
+
+
+def _dots1_in_bf16(seed: int) -> nn.Module:
+    # arrives in bf16, so under 32-true the strict HF name has to cast the router bias back up
+    return tiny_model("dots1", seed=seed).to(torch.bfloat16)
+
+
+def _gpt_oss_in_bf16(seed: int) -> nn.Module:
+    return tiny_model("gpt_oss", seed=seed).to(torch.bfloat16)
+
+
+def _frozen_llama_tower(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return FrozenLlamaTower()
+
+
+def _tower(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = TowerModel()
+    with torch.no_grad():
+        model.tower.normalizer.std_scale.add_(seed)  # the loaded values must come from the checkpoint
+    return model
+
+
+class _TowerWithIds(nn.Module):
+    """TowerModel called like the HF models above (``input_ids`` of width 16 as features)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.inner = _tower(seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.nn.functional.one_hot(input_ids % 16, 16).float().mean(1))
+
+
+def _plugin_agreement(rank: int) -> Dict[str, Any]:
+    from lightning_mixedfsdp import MixedFSDPPrecision
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    strategy = MixedFSDP2Strategy(storage="fp32", keep_fp32_params=[r"lm_head"])
+    fabric = make_fabric(WORLD, precision=None, strategy=strategy, plugins=[MixedFSDPPrecision("bf16-true")])
+    model = fabric.setup(tiny_model("llama"))
+    plan = fabric.strategy.plan_of(model)
+    dtypes = {n: p.dtype for n, p in unwrap(model).named_parameters()}
+    return {
+        "plugin_bulk": tuple(fabric.strategy.precision.bulk),
+        "plan_bulk": tuple(plan.bulk),
+        "planned": {n: p.key.storage for n, p in plan.params.items()},
+        "dtypes": dtypes,
+    }
+
+
+def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    root = Path(folder)
+    out: Dict[str, Any] = {"llama": _round_trip(_llama, "bf16-true", root / "llama")}
+    for flag in FLAGS:
+        # keep_fp32_params=[]: only the model's own HF strict list keeps its router bias fp32 here (the default
+        # regexes name it too)
+        out[f"dots1/{flag}"] = _round_trip(_dots1_in_bf16, flag, root / f"dots1-{flag}", {"keep_fp32_params": []})
+        # keep_fp32_modules=[]: only the model's own HF list keeps its norms fp32 here
+        out[f"gpt_oss/{flag}"] = _round_trip(
+            _gpt_oss_in_bf16, flag, root / f"gpt_oss-{flag}", {"keep_fp32_modules": []}
+        )
+    out["gpt_oss/not_honoured"] = _round_trip(
+        _gpt_oss_in_bf16,
+        "bf16-true",
+        root / "gpt_oss-off",
+        {"keep_fp32_modules": [], "honor_hf_keep_in_fp32": False},
+    )
+    out["frozen_llama_tower"] = _round_trip(_frozen_llama_tower, "bf16-mixed", root / "tower-rope", {})
+    out["frozen_llama_tower/no_rules"] = _round_trip(
+        _frozen_llama_tower, "bf16-mixed", root / "tower-rope-off", {"keep_fp32_modules": []}
+    )
+    out["tower"] = _round_trip(
+        _TowerWithIds, "bf16-mixed", root / "tower", {"wrap_units": TOWER_UNITS, "keep_fp32_params": [r"std_scale$"]}
+    )
+    out["plugin"] = _plugin_agreement(rank)
+    return out
+
+
+LAUNCH = Launch(_scenarios, WORLD, timeout=300)
+
+
+def _assert_both(results: list, scenario: str, name: str, dtype: torch.dtype, rule: str) -> None:
+    """``name`` has ``dtype`` and its rule after setup (and training), and loads back bit for bit, on every rank."""
+    for result in results:
+        out = result[scenario]
+        assert out["rules"][name] == rule, (scenario, name, out["report"])
+        saved, loaded = out["saved"][name], out["loaded"][name]
+        assert saved.dtype == dtype and loaded.dtype == dtype, (scenario, name, saved.dtype, loaded.dtype)
+        assert torch.equal(loaded, saved), (scenario, name)
+
+
+def test_rope_inv_freq_stays_fp32_and_bit_exact(results: list) -> None:
+    reference = dict(tiny_model("llama").named_buffers())
+    for name in ROPE:
+        _assert_both(results, "llama", name, torch.float32, "module:RotaryEmbedding")
+        assert torch.equal(results[0]["llama"]["saved"][name], reference[name]), name
+    assert "model.rotary_emb.inv_freq" in results[0]["llama"]["report"]
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_hf_strict_buffer_is_fp32_under_every_flag(results: list, flag: str) -> None:
+    rule = "hf:_keep_in_fp32_modules_strict[e_score_correction_bias]"
+    _assert_both(results, f"dots1/{flag}", ROUTER_BIAS, torch.float32, rule)
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_hf_non_strict_name_is_fp32_under_every_flag_when_honoured(results: list, flag: str) -> None:
+    _assert_both(results, f"gpt_oss/{flag}", "model.norm.weight", torch.float32, "hf:_keep_in_fp32_modules[norm]")
+    bulk = {"bf16-true": torch.bfloat16, "bf16-mixed": torch.float32, "32-true": torch.bfloat16}[flag]
+    assert results[0][f"gpt_oss/{flag}"]["saved"]["model.embed_tokens.weight"].dtype == bulk
+
+
+def test_hf_non_strict_name_follows_the_bulk_when_not_honoured(results: list) -> None:
+    _assert_both(results, "gpt_oss/not_honoured", "model.norm.weight", torch.bfloat16, None)
+
+
+def test_class_rule_keeps_a_frozen_towers_rope_buffers_fp32(results: list) -> None:
+    for name in ROPE:
+        tower_name = name.replace("model.", "tower.", 1)
+        _assert_both(results, "frozen_llama_tower", tower_name, torch.float32, "module:RotaryEmbedding")
+
+
+def test_frozen_module_buffer_goes_to_the_compute_dtype(results: list) -> None:
+    # the same frozen tower without the RotaryEmbedding rule: its buffers follow the frozen-module rule
+    _assert_both(results, "frozen_llama_tower/no_rules", "tower.rotary_emb.inv_freq", torch.bfloat16, "frozen module")
+    _assert_both(results, "tower", "inner.tower.normalizer.std_bias", torch.bfloat16, "frozen module")
+
+
+def test_regex_matched_buffer_is_fp32_inside_a_frozen_module(results: list) -> None:
+    _assert_both(results, "tower", "inner.tower.normalizer.std_scale", torch.float32, r"param:std_scale$")
+
+
+def test_a_user_passed_plugin_takes_the_strategys_dtypes(results: list) -> None:
+    for result in results:
+        out = result["plugin"]
+        # the strategy says fp32 master weights; the plugin's flag alone would say bf16 storage
+        assert out["plugin_bulk"] == out["plan_bulk"] == (torch.float32, torch.bfloat16, torch.bfloat16)
+        assert out["dtypes"] == out["planned"]
+        assert out["dtypes"]["model.layers.0.mlp.up_proj.weight"] == torch.float32
