@@ -10,6 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, List, Union
 
+from lightning_mixedfsdp.distributed.agreement import Agreement
+
 PathLike = Union[str, Path]
 """What Lightning's own checkpoint paths accept (``lightning.fabric.utilities.types._PATH``)."""
 
@@ -47,17 +49,22 @@ def save_atomically(
     temp = temp_sibling(path, token)
     write(temp)
     barrier()
-    if is_rank_zero:
-        commit(temp, path, token)
-    barrier()
+    # a commit that fails on rank 0 (no permission to rename) reaches every rank: none waits in a barrier for it
+    agreement = Agreement(f"{owner}: committing the checkpoint {str(path)!r}")
+    with agreement.local():
+        if is_rank_zero:
+            commit(temp, path, token)
+    agreement.agree()
 
 
 def recovered(path: PathLike, broadcast: Callable[[Any], Any], barrier: Callable[[], None], is_rank_zero: bool) -> Path:
     """``path`` (rank 0's), with an interrupted commit finished first (the previous checkpoint put back if needed)."""
     path = Path(broadcast(path))
-    if is_rank_zero:
-        recover(path)
-    barrier()
+    agreement = Agreement(f"recovering the checkpoint {str(path)!r}")
+    with agreement.local():
+        if is_rank_zero:
+            recover(path)
+    agreement.agree()
     return path
 
 

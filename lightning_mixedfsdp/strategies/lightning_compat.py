@@ -71,20 +71,28 @@ class TrainerStepCounter:
         self._trainer = trainer
 
     def state_dict(self) -> Dict[str, int]:
-        return {"completed": int(_step_progress(self._trainer).total.completed)}
+        """The serving group's steps, and the micro-batches it consumed (before the one in flight, when the heal is
+        served from inside a step's first forward)."""
+        return {
+            "completed": int(_step_progress(self._trainer).total.completed),
+            "micro_batches": micro_batches_consumed(self._trainer),
+        }
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
-        steps = state["completed"] - int(_step_progress(self._trainer).total.completed)
-        if steps == 0:
-            return
+        """Move this group's counters by the distance to the live group's: its next batch is then the one its own
+        stream holds where the live group is."""
         loop = self._trainer.fit_loop.epoch_loop
-        _step_progress(self._trainer).increment_by(steps)
-        module = self._trainer.lightning_module
-        if module is None or module.automatic_optimization:
-            loop.automatic_optimization.optim_progress.optimizer.zero_grad.increment_by(steps)
-        loop.scheduler_progress.increment_by(steps)
-        loop.batch_progress.increment_by(steps * self._trainer.accumulate_grad_batches)
-        loop._batches_that_stepped += steps
+        steps = state["completed"] - int(_step_progress(self._trainer).total.completed)
+        batches = state["micro_batches"] - micro_batches_consumed(self._trainer)
+        if steps:
+            _step_progress(self._trainer).increment_by(steps)
+            module = self._trainer.lightning_module
+            if module is None or module.automatic_optimization:
+                loop.automatic_optimization.optim_progress.optimizer.zero_grad.increment_by(steps)
+            loop.scheduler_progress.increment_by(steps)
+            loop._batches_that_stepped += steps
+        if batches:
+            loop.batch_progress.increment_by(batches)
 
 
 def _step_progress(trainer: Any) -> Any:
@@ -109,6 +117,7 @@ def undo_optimizer_step(trainer: Any) -> None:
 
 def micro_batches_consumed(trainer: Any) -> int:
     """The training micro-batches consumed so far, discarded steps' included, restored by a resume and moved by a
-    heal: where a resumable data stream goes on (``fit_loop.epoch_loop.batch_progress.total.ready``, Lightning 2.6.5
-    and 2.6.6: after a resume it counts the batch of the checkpoint's step, which Lightning's restart completes)."""
-    return int(trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+    heal: where a resumable data stream goes on. ``fit_loop.epoch_loop.batch_progress.total.processed`` (Lightning
+    2.6.5 and 2.6.6): it counts the batch a checkpoint was saved at the end of, before and after the loop's restart
+    completes it, and not the batch in flight."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)

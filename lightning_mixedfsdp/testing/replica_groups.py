@@ -14,12 +14,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from lightning_mixedfsdp.testing.launch import free_port
 
 
-def start_lighthouse() -> Any:
+def start_lighthouse(min_replicas: int = 1) -> Any:
     """torchft's lighthouse: quorums every 50 ms, a group silent for 1 s is dead, a new quorum waits 0.5 s for
-    joiners."""
+    joiners. ``min_replicas``: no quorum forms with fewer groups (every step then waits for all of them, whatever
+    their speed)."""
     from lightning_mixedfsdp.compat.torchft import lighthouse_server
 
-    return lighthouse_server(min_replicas=1, join_timeout_ms=500, quorum_tick_ms=50, heartbeat_timeout_ms=1000)
+    return lighthouse_server(
+        min_replicas=min_replicas, join_timeout_ms=500, quorum_tick_ms=50, heartbeat_timeout_ms=1000
+    )
 
 
 class Group:

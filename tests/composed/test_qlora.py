@@ -34,15 +34,15 @@ LOSS_TOLERANCE = 0.05
 about 0.02 on these models)."""
 
 
-def base_model(model_type: str) -> torch.nn.Module:
+def base_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     dims = {k: v for k, v in QLORA_DIMS.items() if model_type == "qwen3_moe" or k != "moe_intermediate_size"}
-    return tiny_model(model_type, **dims)
+    return tiny_model(model_type, seed=seed, **dims)
 
 
-def qlora_model(model_type: str) -> torch.nn.Module:
+def qlora_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(base_model(model_type), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    return get_peft_model(base_model(model_type, seed), LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
 
 
 def _strategy(**fields: Any) -> Any:
@@ -181,10 +181,66 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     loaded = fabric.setup(to_load)
     load_full_weights(loaded, folder_path / "pretrained")
     out["loaded_shards"] = _base_shards(loaded)
+    out["fingerprint"] = _resume_onto_another_base(fabric, rank, folder_path)
+    return out
+
+
+def _resume_onto_another_base(fabric: Any, rank: int, folder: Path) -> Dict[str, Any]:
+    """A QLoRA run on a pretrained base (not the config's init), checkpointed; resumed onto the config's base (the
+    checkpoint leaves the 4-bit base out: its fingerprint refuses it), with strict=False (a warning), and onto the
+    pretrained base again (the uninterrupted losses)."""
+    import warnings
+
+    from lightning_mixedfsdp import load_full_weights
+
+    if rank == 0:
+        base_model("llama", seed=1).to(torch.bfloat16).save_pretrained(str(folder / "pretrained_other"))
+    fabric.barrier()
+
+    def on_pretrained() -> torch.nn.Module:
+        model = fabric.setup(qlora_model("llama"))
+        load_full_weights(model, folder / "pretrained_other")
+        return model
+
+    trained = on_pretrained()
+    first = _train(fabric, trained, rank, range(2))
+    fabric.save(folder / "ckpt_other", {"model": trained, "optimizer": first["optimizer"]})
+    uninterrupted = _train(fabric, trained, rank, range(2, STEPS), first["optimizer"])["losses"]
+
+    def resume(model: torch.nn.Module, strict: bool = True) -> Any:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-3))
+        fabric.load(folder / "ckpt_other", {"model": model, "optimizer": optimizer}, strict=strict)
+        return optimizer
+
+    out: Dict[str, Any] = {"uninterrupted": uninterrupted}
+    try:
+        resume(fabric.setup(qlora_model("llama")))
+        out["wrong_base"] = None
+    except ValueError as error:
+        out["wrong_base"] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resume(fabric.setup(qlora_model("llama")), strict=False)
+    out["not_strict"] = [str(w.message) for w in caught if "frozen base" in str(w.message)]
+    right = on_pretrained()
+    out["resumed"] = _train(fabric, right, rank, range(2, STEPS), resume(right))["losses"]
     return out
 
 
 LAUNCH = Launch(_scenarios, WORLD, timeout=600)
+
+
+def test_a_resume_onto_another_frozen_base_is_refused_and_onto_the_right_one_repeats_the_losses(
+    results: list,
+) -> None:
+    for result in results:
+        outcome = result["fingerprint"]
+        assert outcome["wrong_base"] is not None, "the config's base was accepted"
+        assert "frozen base is not the one the checkpoint" in outcome["wrong_base"]
+        assert "load_full_weights" in outcome["wrong_base"] and "frozen tensors differ" in outcome["wrong_base"]
+        assert outcome["not_strict"], "strict=False did not warn"
+        assert outcome["resumed"] == outcome["uninterrupted"]
 
 
 def _expected_kind(name: str, model_type: str) -> str:

@@ -343,3 +343,47 @@ def test_float8_options_without_a_float8_recipe() -> None:
         match=r"float8\.include, exclude and emulate need a float8 recipe; set float8\.recipe='tensorwise'",
     ):
         MixedFSDPConfig(float8_emulate=True).validate()
+
+
+def test_float8_on_a_cpu_is_refused_when_fabric_is_constructed() -> None:
+    from lightning.fabric import Fabric
+
+    with pytest.raises(ValueError, match=r"MixedFSDP2Strategy: float8.recipe='tensorwise' needs float8 matmuls, which"):
+        Fabric(accelerator="cpu", devices=2, strategy=MixedFSDP2Strategy(float8="tensorwise"))
+    # emulated float8 runs anywhere
+    Fabric(accelerator="cpu", devices=2, strategy=MixedFSDP2Strategy(float8={"recipe": "rowwise", "emulate": True}))
+
+
+def test_float8_on_a_cpu_is_refused_when_the_trainer_is_constructed() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy as TrainerStrategy
+
+    with pytest.raises(ValueError, match=r"float8.recipe='rowwise' needs float8 matmuls, which the CPU lacks"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=TrainerStrategy(float8="rowwise"), logger=False)
+
+
+def test_float8_on_a_cpu_recipe_is_refused_before_launch() -> None:
+    from lightning_mixedfsdp.recipes.loader import load_recipe
+    from lightning_mixedfsdp.recipes.schema import RecipeError
+
+    with pytest.raises(
+        RecipeError, match=r"strategy.float8.recipe='tensorwise' needs float8 matmuls.*float8.emulate=True"
+    ):
+        load_recipe("conf/stdlib_llama.yaml", ["strategy.float8=tensorwise"])
+
+
+@pytest.mark.parametrize(
+    ("options", "install"),
+    [({"float8": {"recipe": "tensorwise", "emulate": True}}, r"\[float8\]"), ({"quantize_base": "nf4"}, r"\[qlora\]")],
+)
+def test_a_missing_torchao_is_refused_at_construction_with_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, options: dict, install: str
+) -> None:
+    import lightning_mixedfsdp.compat.torchao as torchao_compat
+
+    monkeypatch.setattr(torchao_compat, "torchao_installed", lambda: False)
+    with pytest.raises(
+        ImportError, match=rf"MixedFSDP2Strategy: .* needs torchao.*not installed: pip install .*{install}"
+    ):
+        MixedFSDP2Strategy(**options)

@@ -1,14 +1,15 @@
-"""The recipe runner under fault tolerance, as README runs it: a lighthouse, then two replica groups, each its own
+"""The recipe runner under fault tolerance, as README runs it: a lighthouse, then replica groups, each its own
 ``python -m lightning_mixedfsdp.train ... strategy.fault_tolerance.replica_id=N`` launch of 2 CPU ranks through the
-Trainer. Group 1 starts once group 0 has trained (and checkpointed) alone: it continues from that checkpoint, then
-heals from group 0 inside the Trainer's loop (its step count, model and optimizer come from the live group); both stop
-at ``max_steps`` and export the same weights to the bit."""
+Trainer. Group 0 first trains alone to step 10 and stops (checkpoints at 5 and 10). Then both groups launch, every
+quorum waiting for both (``min_replicas=2`` at the lighthouse and in the groups): group 0 continues from the newest
+checkpoint, group 1 from step 5, and heals from group 0 inside the Trainer's loop (its step count, model, optimizer
+and data position come from the live group); both stop at ``max_steps`` and export the same weights to the bit. The
+order of events is fixed by the exits and the quorums, never by which process is faster."""
 
 import re
 import subprocess
 import sys
-import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -20,10 +21,9 @@ from tests.recipes.test_runner import RECIPE, ROOT
 
 pytest.importorskip("torchft")
 
-STEPS = 70
+STEPS, ALONE = 70, 10
 OVERRIDES = [
-    f"trainer.max_steps={STEPS}", "trainer.val_check_interval=70", "trainer.checkpoint_every_n_steps=5",
-    "trainer.keep_checkpoints=20",  # the late group loads step=5 while group 0 trains on: never pruned under it
+    "trainer.val_check_interval=70", "trainer.checkpoint_every_n_steps=5", "trainer.keep_checkpoints=20",
     "trainer.log_every_n_steps=1", "model.dim=32", "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64",
     "data.val_windows=16", "data.max_bytes=300000", "optimizer.lr=0.01", "strategy.print_report=false",
     "strategy.fault_tolerance.num_replica_groups=2",
@@ -31,35 +31,43 @@ OVERRIDES = [
 
 
 @pytest.fixture(scope="module")
-def groups(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("ft_runner")
-    lighthouse = start_lighthouse()
-    url = lighthouse.address()
+def groups(folder: Any) -> Dict[str, Any]:
+    root = folder
 
-    def launch(replica_id: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "lightning_mixedfsdp.train", "--config", RECIPE, *OVERRIDES]
+    def launch(replica_id: int, url: str, extra: List[str]) -> subprocess.Popen:
+        command = [sys.executable, "-m", "lightning_mixedfsdp.train", "--config", RECIPE, *OVERRIDES, *extra]
         command += [f"output.dir={root}", f"strategy.fault_tolerance.replica_id={replica_id}"]
         command += [f"strategy.fault_tolerance.lighthouse={url}"]
-        out = (root / f"group{replica_id}.out").open("w")
+        out = (root / f"group{replica_id}.out").open("a")
         return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
-    first = launch(0)
-    second = None
+    def finish(processes: List[subprocess.Popen]) -> List[int]:
+        try:
+            return [process.wait(timeout=240) for process in processes]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+
+    alone = start_lighthouse()
     try:
-        deadline = time.monotonic() + 120
-        while not (root / "checkpoints" / "step=5.ckpt").exists():
-            assert first.poll() is None and time.monotonic() < deadline, (root / "group0.out").read_text()[-3000:]
-            time.sleep(0.1)
-        second = launch(1)
-        codes = [first.wait(timeout=240), second.wait(timeout=240)]
+        assert finish([launch(0, alone.address(), [f"trainer.max_steps={ALONE}"])]) == [0], _tails(root)
     finally:
-        for process in (first, second):
-            if process is not None and process.poll() is None:
-                process.kill()
-        lighthouse.shutdown()
+        alone.shutdown()
+    together = start_lighthouse(min_replicas=2)
+    try:
+        both = [f"trainer.max_steps={STEPS}", "strategy.fault_tolerance.min_replicas=2"]
+        first = launch(0, together.address(), both)
+        second = launch(1, together.address(), [*both, "--resume", str(root / "checkpoints" / "step=5.ckpt")])
+        assert finish([first, second]) == [0, 0], _tails(root)
+    finally:
+        together.shutdown()
     outputs = [(root / f"group{g}.out").read_text() for g in (0, 1)]
-    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     return {"root": root, "outputs": outputs}
+
+
+def _tails(root: Any) -> str:
+    return "\n".join((root / f"group{g}.out").read_text()[-3000:] for g in (0, 1) if (root / f"group{g}.out").exists())
 
 
 def test_both_groups_stop_at_max_steps_and_export_the_same_weights_to_the_bit(groups: Dict[str, Any]) -> None:
@@ -78,11 +86,10 @@ def test_both_groups_stop_at_max_steps_and_export_the_same_weights_to_the_bit(gr
 def test_the_late_group_healed_from_the_live_one_and_drew_its_own_data(groups: Dict[str, Any]) -> None:
     root = groups["root"]
     losses = [read_metrics(root / f"replica_{g}" / "logs")["train_loss"] for g in (0, 1)]
-    healed_at = min(losses[1])
-    assert healed_at >= 5  # it joined after group 0's step-5 checkpoint and took group 0's step count
-    common = [step for step in losses[1] if step in losses[0]]
-    assert len(common) >= 10
-    assert any(losses[0][step] != losses[1][step] for step in common)
+    assert min(losses[1]) == ALONE  # it resumed at step 5 and healed to group 0's step 10 before its first batch
+    common = [step for step in losses[1] if step in losses[0] and step >= ALONE]
+    assert len(common) == STEPS - ALONE
+    assert all(losses[0][step] != losses[1][step] for step in common)  # each group its own data
 
 
 def test_the_groups_share_one_checkpoints_folder_and_one_group_writes_each_checkpoint(groups: Dict[str, Any]) -> None:
