@@ -1,9 +1,11 @@
 """The parallel dims of a run in one object, as torchtitan's ``ParallelDims``: the sizes (HSDP replicas, data-parallel
-shard ranks, tensor parallelism, expert parallelism), their validation (every problem at once), the device meshes
-built from them (dense and expert) and the gradient divide factors they imply.
+shard ranks, context parallelism, tensor parallelism, expert parallelism), their validation (every problem at once),
+the device meshes built from them (dense, context-parallel and expert) and the gradient divide factors they imply.
 
-The dense mesh is pure FSDP (1-D) or HSDP (replicate x shard), with tensor parallelism innermost; expert parallelism
-splits the shard ranks into ``expert_data_parallel x expert_parallel``.
+The world is ``replicate x shard x context_parallel x tensor_parallel``, tensor parallelism innermost. The dense mesh is
+pure FSDP (1-D) or HSDP (replicate x shard), params sharded over the shard ranks times the context-parallel ranks
+(torchtitan's ``dp_shard_cp``); the context-parallel ranks of one data-parallel rank share its batch and split its
+sequences. Expert parallelism splits the shard ranks into ``expert_data_parallel x expert_parallel``.
 """
 
 from dataclasses import dataclass, replace
@@ -23,6 +25,7 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
     "tensor_parallel",
 )
 EXPERT_DATA_PARALLEL, EXPERT_PARALLEL = "expert_data_parallel", "expert_parallel"
+CONTEXT_PARALLEL, DP_SHARD_CP, GRADIENT = "context_parallel", "data_parallel_shard_cp", "gradient"
 
 MeshSize = Union[Literal["auto"], int]
 """A mesh size as Lightning's strategies take it: an int, or ``"auto"`` to be resolved from the world."""
@@ -62,13 +65,26 @@ class ExpertMeshes:
 class ParallelMeshes:
     root: "DeviceMesh"
     """The full mesh: ``(data_parallel, tensor_parallel)`` (Lightning's), or for HSDP
-    ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)``."""
+    ``(data_parallel_replicate, data_parallel_shard, tensor_parallel)``; with context parallelism
+    ``(data_parallel_replicate, data_parallel_shard_cp, tensor_parallel)``."""
     fsdp: "DeviceMesh"
-    """The mesh handed to ``fully_shard``: 1-D (shard) or, for HSDP, 2-D (replicate, shard)."""
+    """The mesh handed to ``fully_shard``: 1-D (shard, or shard x context parallel) or, for HSDP, 2-D (replicate,
+    shard)."""
     data_parallel: "DeviceMesh"
-    """All data-parallel ranks flattened into one dim: the group replicated gradients are averaged over."""
+    """The ranks that see different batches (replicate x shard), flattened: the samplers' and evaluation's ranks."""
+    gradient: Optional["DeviceMesh"] = None
+    """Every rank that holds a replica of the model (data-parallel x context-parallel), flattened: replicated
+    gradients are averaged over it, buffers kept equal on it. None: the data-parallel mesh (no context
+    parallelism)."""
+    context_parallel: Optional["DeviceMesh"] = None
+    """The ranks one batch's sequences are split over, when ``context_parallel_size > 1``."""
     experts: Optional[ExpertMeshes] = None
     """The expert meshes when ``expert_parallel_size > 1``."""
+
+    @property
+    def replicas(self) -> "DeviceMesh":
+        """The mesh replicated gradients are averaged and buffers synced over."""
+        return self.gradient if self.gradient is not None else self.data_parallel
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,8 @@ class ParallelDims:
     tensor_parallel: int = 1
     expert_parallel: int = 1
     """Ranks each MoE layer's experts are split over; 1 is off."""
+    context_parallel: int = 1
+    """Ranks each sequence is split over; 1 is off."""
 
     @classmethod
     def resolve(
@@ -94,6 +112,7 @@ class ParallelDims:
         tensor_parallel_size: MeshSize = 1,
         expert_parallel: int = 1,
         owner: str = "mixed_fsdp2",
+        context_parallel: int = 1,
     ) -> "ParallelDims":
         """Resolve ``"auto"`` sizes as Lightning does and validate the result. ``tensor_parallel_size="auto"`` is the
         devices of a node; ``data_parallel_size="auto"`` takes every rank the others leave (Lightning's: the number of
@@ -101,10 +120,10 @@ class ParallelDims:
         check_sizes(data_parallel_size, replicate, tensor_parallel_size, owner)
         tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
         if data_parallel_size == "auto":
-            shard = max(world_size // (replicate * tensor_parallel), 1)
+            shard = max(world_size // (replicate * tensor_parallel * context_parallel), 1)
         else:
             shard = int(data_parallel_size)
-        dims = cls(replicate, shard, tensor_parallel, expert_parallel)
+        dims = cls(replicate, shard, tensor_parallel, expert_parallel, context_parallel)
         dims.validate(world_size, owner)
         return dims
 
@@ -114,27 +133,62 @@ class ParallelDims:
         return self.replicate * self.shard
 
     @property
+    def lightning_data_parallel(self) -> int:
+        """Lightning's own strategy's data-parallel size: every rank tensor parallelism leaves (it builds a
+        ``(data_parallel, tensor_parallel)`` mesh and checks that the two multiply to the world)."""
+        return self.replicate * self.shard * self.context_parallel
+
+    @property
     def expert_shard(self) -> int:
         """Ranks holding the same experts (``expert_data_parallel``), over which their FSDP group shards them."""
         return self.shard // self.expert_parallel
 
+    @property
+    def ranks(self) -> int:
+        """Ranks the sizes take: replicate x shard x context parallel x tensor parallel."""
+        return self.replicate * self.shard * self.context_parallel * self.tensor_parallel
+
     def problems(self, world_size: int) -> List[str]:
         """Every problem of these sizes for ``world_size`` ranks, each with its fix; empty when valid."""
         problems = []
-        if self.replicate * self.shard * self.tensor_parallel != world_size:
+        if self.ranks != world_size:
+            context = f", `context_parallel_size={self.context_parallel}`" if self.context_parallel > 1 else ""
             problems.append(
-                f"the sizes `data_parallel_replicate_size={self.replicate}`, `data_parallel_size={self.shard}` and"
-                f" `tensor_parallel_size={self.tensor_parallel}` multiplied should equal the world size"
+                f"the sizes `data_parallel_replicate_size={self.replicate}`, `data_parallel_size={self.shard}`{context}"
+                f" and `tensor_parallel_size={self.tensor_parallel}` multiplied should equal the world size"
                 f" ({world_size}); change the sizes or the number of devices/nodes"
             )
         if self.expert_parallel > 1:
             problems.extend(self._expert_problems())
+        if self.context_parallel > 1:
+            problems.extend(self._context_problems(world_size))
+        return problems
+
+    def _context_problems(self, world_size: int) -> List[str]:
+        problems = []
+        if world_size % self.context_parallel:
+            problems.append(
+                f"context_parallel_size={self.context_parallel} must divide the world size ({world_size}); use a"
+                " divisor of it"
+            )
+        if self.tensor_parallel != 1:
+            problems.append(
+                f"context_parallel_size={self.context_parallel} with tensor_parallel_size={self.tensor_parallel} is"
+                " not supported: both split each sequence's activations, and their layouts are not composed here;"
+                " use one of them"
+            )
+        if self.expert_parallel > 1:
+            problems.append(
+                f"context_parallel_size={self.context_parallel} with expert_parallel_size={self.expert_parallel} is"
+                " not supported: expert parallelism splits the data-parallel shard ranks, which context parallelism"
+                " extends; use one of them"
+            )
         return problems
 
     def validate(self, world_size: int, owner: str = "mixed_fsdp2") -> "ParallelDims":
         """Raise with every problem at once (Lightning's ``RuntimeError`` for sizes that do not multiply to the
         world, as its own strategy does; a ``ValueError`` for the rest); return ``self`` when valid."""
-        if self.replicate * self.shard * self.tensor_parallel != world_size:
+        if self.ranks != world_size and world_size % self.context_parallel == 0:
             raise RuntimeError(f"{owner}: " + "; ".join(self.problems(world_size)) + ".")
         problems = self.problems(world_size)
         if problems:
@@ -161,6 +215,8 @@ class ParallelDims:
         replicas and one is given) and, with expert parallelism, the expert meshes, rank for rank aligned."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.context_parallel > 1:
+            return self._context_parallel_meshes(device_type)
         if self.replicate == 1:
             root = lightning_mesh
             if root is None:
@@ -179,6 +235,31 @@ class ParallelDims:
         if self.expert_parallel > 1:
             meshes = replace(meshes, experts=self._expert_meshes(device_type, meshes.root[TENSOR_PARALLEL]))
         return meshes
+
+    def _context_parallel_meshes(self, device_type: str) -> ParallelMeshes:
+        """Two meshes over the same ranks: ``(replicate, shard x cp, tp)``, which the params live on (FSDP shards
+        over the flattened shard x cp ranks), and ``(replicate, shard, cp, tp)``, whose dims give the context-parallel
+        groups and the batch ranks. Rank ``((r * shard + s) * cp + c) * tp + t`` is the same rank in both."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        root = init_device_mesh(
+            device_type,
+            (self.replicate, self.shard * self.context_parallel, self.tensor_parallel),
+            mesh_dim_names=(DP_REPLICATE, DP_SHARD_CP, TENSOR_PARALLEL),
+        )
+        layout = init_device_mesh(
+            device_type,
+            (self.replicate, self.shard, self.context_parallel, self.tensor_parallel),
+            mesh_dim_names=(DP_REPLICATE, DP_SHARD, CONTEXT_PARALLEL, TENSOR_PARALLEL),
+        )
+        fsdp = root[DP_SHARD_CP] if self.replicate == 1 else root[DP_REPLICATE, DP_SHARD_CP]
+        return ParallelMeshes(
+            root=root,
+            fsdp=fsdp,
+            data_parallel=flatten_mesh(layout[DP_REPLICATE, DP_SHARD], DATA_PARALLEL),
+            gradient=flatten_mesh(root[DP_REPLICATE, DP_SHARD_CP], GRADIENT),
+            context_parallel=layout[CONTEXT_PARALLEL],
+        )
 
     def _expert_meshes(self, device_type: str, tensor_parallel: "DeviceMesh") -> ExpertMeshes:
         """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike."""
@@ -220,9 +301,15 @@ def check_sizes(data_parallel_size: Any, replicate: Any, tensor_parallel_size: A
 
 
 def build_parallel_meshes(
-    device_type: str, replicate: int, shard: int, tensor_parallel: int, world_size: int, expert_parallel: int = 1
+    device_type: str,
+    replicate: int,
+    shard: int,
+    tensor_parallel: int,
+    world_size: int,
+    expert_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> ParallelMeshes:
-    """The meshes of :class:`ParallelDims` ``(replicate, shard, tensor_parallel, expert_parallel)``, validated for
-    ``world_size`` ranks: what the benchmarks and tests set up without a strategy."""
-    dims = ParallelDims(replicate, shard, tensor_parallel, expert_parallel).validate(world_size)
+    """The meshes of :class:`ParallelDims` ``(replicate, shard, tensor_parallel, expert_parallel, context_parallel)``,
+    validated for ``world_size`` ranks: what the benchmarks and tests set up without a strategy."""
+    dims = ParallelDims(replicate, shard, tensor_parallel, expert_parallel, context_parallel).validate(world_size)
     return dims.build_meshes(device_type)

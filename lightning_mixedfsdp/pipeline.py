@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
+from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
@@ -61,6 +62,9 @@ def shard_model(
             " setup would shard it again. Keep using the module the first setup returned, or build a fresh model to"
             " set up."
         )
+    context_problems = context_parallel_problems(module, config.parallelism.context_parallel_size)
+    if context_problems:  # the same model on every rank: every rank raises the same, before any collective
+        raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(context_problems))
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])

@@ -15,6 +15,7 @@ from lightning_mixedfsdp.apply.adapt import ClassRestore
 from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
+from lightning_mixedfsdp.apply.context_parallel import ContextParallel, apply_context_parallel
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce, apply_cross_replica_reduction
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.apply.float8 import apply_float8
@@ -31,7 +32,7 @@ from lightning_mixedfsdp.apply.replicate import (
 from lightning_mixedfsdp.compat.torch import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.config import BufferSyncMode
 from lightning_mixedfsdp.mesh import ExpertMeshes, ParallelMeshes
-from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name
+from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_hf_model, is_peft_model
 from lightning_mixedfsdp.planning.planner import fsdp_groups_can_mix_dtypes
 from lightning_mixedfsdp.planning.types import ShardGroup, ShardPlan
 
@@ -85,7 +86,7 @@ def apply_plan(
         return model, None
     apply_dtypes(model, plan)
     if plan.quantized_params:
-        tensor_parallel = meshes.root.size() // meshes.data_parallel.size()
+        tensor_parallel = meshes.root.size() // meshes.replicas.size()
         apply_quantization(model, plan.quantized_params, tensor_parallel, device)
     float8_after_step = apply_float8(model, plan.float8_modules, plan.float8_recipe, options.float8.emulate, device)
     model = apply_parallelize(model, parallelize, meshes.root)
@@ -113,6 +114,9 @@ def apply_plan(
         apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
+    if meshes.context_parallel is not None and (is_hf_model(model) or is_peft_model(model)):
+        context = ContextParallel(meshes.context_parallel, options.parallelism.context_parallel_rotate)
+        handles.extend(apply_context_parallel(model, context, tracker))
     if cross_replica_reduce is not None:
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
@@ -178,7 +182,7 @@ def apply_step_tracking(
     from torch.distributed.fsdp import FSDPModule
 
     reducer = ReplicatedGradReducer(
-        replicas, meshes.data_parallel.get_group(), divide_factor=lambda: fsdp_gradient_divide_factor(model)
+        replicas, meshes.replicas.get_group(), divide_factor=lambda: fsdp_gradient_divide_factor(model)
     )
     tracker = StepTracker()
     if reducer.num_buckets:
@@ -239,7 +243,7 @@ def apply_buffer_sync(
     """Buffers start as data-parallel rank 0 has them and stay in step as ``mode`` says (``buffers.py``)."""
     if mode == "none":
         return
-    sync = BufferSync(model, mode, names, meshes.data_parallel.get_group())
+    sync = BufferSync(model, mode, names, meshes.replicas.get_group())
     sync.broadcast()
     applied.handles.extend(sync.attach(model))
     applied.buffers = sync
@@ -250,7 +254,7 @@ def sync_replicas(applied: AppliedPlan, meshes: ParallelMeshes) -> None:
     """Replicas start identical on every data-parallel rank (rank 0's values), however each rank initialised them."""
     if applied.replicas:
         replicas = [as_dtensor(r.param).to_local() for r in applied.replicas]
-        broadcast_from_first_rank(replicas, meshes.data_parallel.get_group())
+        broadcast_from_first_rank(replicas, meshes.replicas.get_group())
 
 
 def mp_policy(group: ShardGroup) -> "MixedPrecisionPolicy":

@@ -6,7 +6,7 @@ on every version in ``pyproject.toml``'s range (2.11 to 2.15); ``tests/compat/te
 function on the installed version.
 """
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -303,3 +303,63 @@ def group_backend_for(group: Any, device_type: str) -> Optional[str]:
         return type(group._get_backend(torch.device(device_type))).__name__
     except RuntimeError:
         return None
+
+
+# ---- context parallelism: torch's ring attention (torch.distributed.tensor.experimental._context_parallel), all of
+# it private; checked on torch 2.11, 2.13 and 2.15. torch maps only the CUDA attention ops (flash, efficient, cuDNN)
+# to ring attention; the CPU op's handler below runs torch's own ring on the local tensors, so CPU/gloo runs context
+# parallelism too. Layout: head-tail load balancing (rank r holds chunks r and 2cp-1-r of 2cp), as torch's
+# _HeadTailLoadBalancer; torch's ring then skips the causal blocks a rank does not need.
+
+_SEQ_DIM = 2  # (batch, heads, sequence, head dim)
+
+
+def register_ring_attention(rotate_method: str) -> None:
+    """Route scaled-dot-product attention on sequence-sharded DTensors to torch's ring attention, causal with
+    head-tail load balancing, the key/value parts moved by ``rotate_method`` (``"allgather"`` or ``"alltoall"``).
+    Stays on for the process; attention on plain tensors is untouched."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    aten = torch.ops.aten
+    _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _cpu_ring_handler
+    _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _cpu_ring_handler
+    _attention._cp_options.enable_load_balance = True
+    _attention.set_rotate_method(rotate_method)
+    _attention._enable_cp_dtensor_dispatcher()
+
+
+def _cpu_ring_handler(op_call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """DTensor's handler of the CPU attention op (forward and backward): torch's templated ring attention on the
+    local parts, the outputs wrapped with the query's layout (``Shard(2)`` on the context-parallel mesh)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    aten = torch.ops.aten
+    backward = op_call is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    query = args[1] if backward else args[0]
+    if query.device_mesh.ndim != 1 or tuple(query.placements) != (Shard(_SEQ_DIM),):
+        raise NotImplementedError(f"ring attention needs a 1-D mesh and Shard(2), got {query.placements}")
+    local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
+    inputs = ("grad_out", "query", "key", "value", "out", "logsumexp") if backward else ("query", "key", "value")
+    names: Tuple[str, ...] = (*inputs, "dropout_p", "is_causal")
+    named: Dict[str, Any] = dict(zip(names, local, strict=False))
+    named.update({k: v._local_tensor if isinstance(v, DTensor) else v for k, v in kwargs.items()})
+    if named.get("attn_mask") is not None or named.get("dropout_p", 0.0):
+        raise NotImplementedError("ring attention takes no attention mask and no dropout")
+    group = query.device_mesh.get_group()
+    if not backward:
+        out, logsumexp = _attention._templated_ring_attention(group, _SEQ_DIM, op_call, **named)[:2]
+        return _dtensor_like(out, query), _dtensor_like(logsumexp, query)
+    grads = _attention._templated_ring_attention_backward(group, _SEQ_DIM, op_call, grad_out_name="grad_out", **named)
+    return tuple(_dtensor_like(g, like) for g, like in zip(grads[:3], args[1:4], strict=True))
+
+
+def _dtensor_like(local: Tensor, like: Any) -> Any:
+    """``local`` as a DTensor with ``like``'s mesh and placements (its global shape computed from them)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_global_tensor_info
+
+    shape, stride = compute_global_tensor_info(local, like.device_mesh, like.placements)
+    spec = DTensorSpec(like.device_mesh, like.placements, TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)

@@ -86,6 +86,12 @@ class MixedFSDPConfig:
                 problems.append(f"{name}={group!r} must be a {group_class.__name__} or a mapping of its fields.")
             else:
                 problems.extend(group.problems(name))
+        if self.parallelism.context_parallel_size > 1 and self.sharding.compile:
+            problems.append(
+                f"parallelism.context_parallel_size={self.parallelism.context_parallel_size} with sharding.compile=True"
+                " is not supported: the ring attention's routing runs outside compiled code; set sharding.compile=False"
+                " (or context_parallel_size=1)."
+            )
         if self.fault_tolerance is not None and self.buffers.sync == "average":
             problems.append(
                 "buffers.sync='average' averages buffers within one replica group only, so under fault_tolerance the"

@@ -49,6 +49,10 @@ class Agreement:
         """Every rank raises the first failing rank's error (its own, unchanged, on that rank), or none does."""
         import torch.distributed as dist
 
+        if not (dist.is_available() and dist.is_initialized()):  # one process: its own error, if any
+            if self.error is not None:
+                raise self.error
+            return
         mine: Optional[Failure] = None
         if self.error is not None:
             mine = (dist.get_rank(), type(self.error).__name__, str(self.error))
@@ -68,6 +72,8 @@ def on_rank_zero(what: str, compute: Callable[[], T], group: Any = None) -> T:
     kind of error with its message (rank 0 its own error)."""
     import torch.distributed as dist
 
+    if not (dist.is_available() and dist.is_initialized()):  # one process
+        return compute()
     rank = dist.get_rank(group) if group is not None else dist.get_rank()
     outcome: List[Any] = [None, None]
     own: Optional[BaseException] = None

@@ -12,7 +12,7 @@ sequence and are not included.
 
 import math
 from dataclasses import dataclass, replace
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -130,3 +130,56 @@ def estimate_io(plan: ShardPlan, shard_ranks: int, export_dtype: Optional[torch.
         export_written=sum(exported),
         export_host_peak=max(exported, default=0),
     )
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What a decoder's activations scale with (an HF config's sizes)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_hidden: int
+    """Key/value width: key-value heads x head dim."""
+    vocab: int
+
+    @classmethod
+    def of_config(cls, config: Any) -> "ActivationShape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_hidden_layers,
+            kv_heads * head_dim,
+            config.vocab_size,
+        )
+
+
+def activation_bytes(
+    shape: ActivationShape, seq_len: int, batch: int, context_parallel: int = 1, checkpointing: bool = True
+) -> int:
+    """An estimate of one training step's activation bytes per rank, for bf16 compute and attention that keeps no
+    score matrix (flash or ring attention): per token of this rank's part of the sequence (``seq_len`` split over
+    ``context_parallel`` ranks), each decoder layer saves its inputs to the norms and projections, q, k, v, the
+    attention output and the MLP's three intermediate vectors (6 hidden + 2 key/value + 3 intermediate widths, in
+    bf16); with ``checkpointing`` it keeps each layer's input only and one layer's full set during its recompute.
+    The logits and the loss's fp32 copies add about 10 bytes per vocabulary entry and token. Measured activations on
+    CPU: ``benchmarks/context_parallel.py``."""
+    tokens = batch * math.ceil(seq_len / context_parallel)
+    per_layer = (6 * shape.hidden + 2 * shape.kv_hidden + 3 * shape.intermediate) * 2
+    layers = (shape.layers * shape.hidden * 2 + per_layer) if checkpointing else shape.layers * per_layer
+    return tokens * (layers + 10 * shape.vocab)
+
+
+def longest_sequence(
+    shape: ActivationShape, free_bytes: float, batch: int, context_parallel: int, multiple: int = 1024
+) -> int:
+    """The longest sequence (a multiple of ``multiple`` tokens) whose activations, by :func:`activation_bytes` with
+    checkpointing, fit in ``free_bytes`` per rank; 0 when none does."""
+    per_token = activation_bytes(shape, context_parallel, batch, context_parallel) / batch
+    if free_bytes <= 0:
+        return 0
+    tokens = int(free_bytes / (batch * per_token)) * context_parallel
+    return tokens - tokens % multiple

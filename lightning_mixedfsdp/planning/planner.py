@@ -123,6 +123,7 @@ def plan_model(
         float8=_float8_choices(model, index, options.float8, matches),
         float8_left_experts=fused_experts(index) if options.float8.recipe is not None else (),
         replica_groups=options.replica_groups,
+        context_parallel=options.parallelism.context_parallel_size,
         non_persistent_buffers=_non_persistent_buffers(index),
         warnings=_plan_warnings(matches, unbuilt),
     )

@@ -89,6 +89,7 @@ def format_plan(plan: ShardPlan) -> str:
     summary += quantization_lines(plan)
     summary += float8_lines(plan)
     summary += fault_tolerance_lines(plan)
+    summary += context_parallel_lines(plan)
     if plan.offload is not None:
         summary.append(
             f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
@@ -100,6 +101,17 @@ def format_plan(plan: ShardPlan) -> str:
     if plan.warnings:
         lines += [""] + [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def context_parallel_lines(plan: ShardPlan) -> List[str]:
+    """The context-parallel dim: what it splits and where the params go."""
+    if plan.context_parallel <= 1:
+        return []
+    cp = plan.context_parallel
+    return [
+        f"context parallel: every sequence split over {cp} ranks (ring attention, head-tail load balanced); each rank"
+        f" holds 1/{cp} of a sequence's activations; params sharded over the data-parallel shard ranks x {cp}"
+    ]
 
 
 def fault_tolerance_lines(plan: ShardPlan) -> List[str]:

@@ -150,6 +150,8 @@ class ShardPlan:
     float8_left_experts: Tuple[str, ...] = ()
     """With a float8 recipe: the fused MoE experts modules, which stay in the compute dtype."""
     replica_groups: Optional[int] = None
+    context_parallel: int = 1
+    """Ranks each sequence is split over (ring attention); params are sharded over the shard ranks times these."""
     """Fault tolerance: the torchft replica groups every gradient is also averaged across, each group's in its own
     reduce dtype; None: off."""
 

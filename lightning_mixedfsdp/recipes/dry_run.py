@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
-from lightning_mixedfsdp.planning.memory import MemoryEstimate, estimate_io, estimate_memory
+from lightning_mixedfsdp.planning.memory import (
+    ActivationShape,
+    MemoryEstimate,
+    activation_bytes,
+    estimate_io,
+    estimate_memory,
+    longest_sequence,
+)
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import expert_lines, format_bytes, format_count, format_plan
 from lightning_mixedfsdp.planning.types import ShardPlan
@@ -89,6 +96,35 @@ def format_summary(
     return "\n".join(lines)
 
 
+def activation_lines(
+    hf_config: Any,
+    context_parallel: int,
+    seq_len: Optional[int],
+    batch: int,
+    estimate: MemoryEstimate,
+    gpu_memory_gb: Optional[float],
+) -> List[str]:
+    """The activation estimate per rank at ``seq_len`` with and without context parallelism, and with a GPU size the
+    longest sequence that fits beside the training state (``planning/memory.py``'s estimate, checkpointing on)."""
+    shape = ActivationShape.of_config(hf_config)
+    lines = []
+    if seq_len is not None:
+        with_cp = activation_bytes(shape, seq_len, batch, context_parallel)
+        alone = activation_bytes(shape, seq_len, batch, 1)
+        lines.append(
+            f"activations per rank at {seq_len} tokens x {batch} (estimate, activation checkpointing):"
+            f" {format_bytes(with_cp)} with context_parallel={context_parallel}, {format_bytes(alone)} without"
+        )
+    if gpu_memory_gb is not None:
+        free = gpu_memory_gb * 2**30 - estimate.device
+        longest = longest_sequence(shape, free, batch, context_parallel)
+        lines.append(
+            f"longest sequence beside the training state on a {gpu_memory_gb:g} GiB GPU with"
+            f" context_parallel={context_parallel}: {longest} tokens (batch {batch}, estimate)"
+        )
+    return lines
+
+
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_mixedfsdp.plan",
@@ -108,6 +144,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--lora-targets", nargs="+", default=None, help="LoRA target modules; default all Linears")
     parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="4-bit frozen base (QLoRA)")
     parser.add_argument("--offload", choices=["cpu"], default=None, help="sharded state in host memory")
+    parser.add_argument("--context-parallel", type=int, default=1, help="ranks each sequence is split over")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for the activation estimate")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     return parser.parse_args(argv)
 
 
@@ -170,5 +209,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(format_plan(plan))
     print()
     print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
+    lines = activation_lines(hf_config, args.context_parallel, args.seq_len, args.batch, estimate, args.gpu_memory)
+    if lines:
+        print("\n".join(lines))
     sys.stdout.flush()
     return {"plan": plan, "estimate": estimate, "seconds": seconds, "params": params}

@@ -48,19 +48,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         batch, seq, dim = x.shape
         heads = lambda t: t.view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)  # noqa: E731
-        q, k = _rope(heads(self.wq(x))), _rope(heads(self.wk(x)))
+        q, k = _rope(heads(self.wq(x)), positions), _rope(heads(self.wk(x)), positions)
         out = F.scaled_dot_product_attention(q, k, heads(self.wv(x)), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
 
 
-def _rope(x: Tensor) -> Tensor:
-    """Rotary embedding computed on the fly in fp32 (no buffers to cast)."""
+def _rope(x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    """Rotary embedding computed on the fly in fp32 (no buffers to cast), at ``positions`` (a sequence's global
+    positions, the same for every row; 0, 1, 2, ... by default): a rank holding part of a sequence (context
+    parallelism) rotates its tokens by where they are in the whole sequence."""
     seq, head_dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    where = torch.arange(seq, device=x.device) if positions is None else positions.to(x.device)
+    angles = torch.outer(where.to(torch.float32), inv_freq)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
@@ -114,8 +117,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = SwiGLU(config.dim, config.hidden_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        normed = self.attention_norm(x)
+        mixed = self.attention(normed) if isinstance(self.attention, Mixer) else self.attention(normed, positions)
+        x = x + mixed
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -131,10 +136,12 @@ class TinyLlama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.apply(_init_weights)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """Logits of ``tokens`` (batch x sequence); ``positions``: the tokens' positions in their sequences (one row
+        for every sequence of the batch), when they are part of longer ones (context parallelism)."""
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, positions)
         return self.output(self.norm(x))
 
 

@@ -12,6 +12,7 @@ from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance, fault_tolerance_for
@@ -80,6 +81,7 @@ class MixedFSDP2Mixin(CheckpointingMixin):
         self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
         self._replicate_size = replicate
         self._meshes = None
+        self._context_parallel: Optional[ContextParallel] = None
         self._sharded = ShardedModels()
         self._watched: "WeakSet[Optimizer]" = WeakSet()
         # in setup order, the same on every replica group: what a heal transfers, optimizer by optimizer
@@ -136,6 +138,15 @@ class MixedFSDP2Mixin(CheckpointingMixin):
         return self._meshes
 
     @property
+    def context_parallel(self) -> ContextParallel:
+        """Context parallelism's sequence split (``shard``, ``positions``, ``gather``), its ``sequences(...)`` block
+        (ring attention for one forward and backward) and ``loss(...)``; every method a no-op at
+        ``context_parallel_size=1``. An HF causal LM needs none of it: the strategy splits its calls itself."""
+        if self._context_parallel is None:
+            raise RuntimeError(f"{type(self).__name__}: context parallelism exists once the processes are launched.")
+        return self._context_parallel
+
+    @property
     def fault_tolerance(self) -> NoFaultTolerance:
         """Fault tolerance's hooks: torchft's replica groups (``fault_tolerance/hooks.py``), or none."""
         return self._fault_tolerance
@@ -171,13 +182,16 @@ class MixedFSDP2Mixin(CheckpointingMixin):
             self._tensor_parallel_size,
             self._config.parallelism.expert_parallel_size,
             type(self).__name__,
+            self._config.parallelism.context_parallel_size,
         )
-        # Lightning's own strategy sees replicate x shard as its data-parallel size
-        self._data_parallel_size, self._tensor_parallel_size = dims.data_parallel, dims.tensor_parallel
+        # Lightning's own strategy sees every rank tensor parallelism leaves as its data-parallel size
+        self._data_parallel_size, self._tensor_parallel_size = dims.lightning_data_parallel, dims.tensor_parallel
         super().setup_environment()  # type: ignore[misc]
         destroy_process_group_at_exit()
         self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
         self._device_mesh = self._meshes.root
+        rotate = self._config.parallelism.context_parallel_rotate
+        self._context_parallel = ContextParallel(self._meshes.context_parallel, rotate)
         agree: Callable[[Any], Any] = lambda value: self.broadcast(value, src=0)  # noqa: E731
         self._fault_tolerance.start(self.root_device, self.global_rank, self.world_size, agree, self._heal_sources)
 

@@ -1,0 +1,280 @@
+"""Context parallelism applied: every sequence split over the context-parallel ranks, attention run as ring attention
+(the key/value parts travel around the ranks), head-tail load balanced for causal attention (rank ``r`` holds chunks
+``r`` and ``2cp-1-r`` of ``2cp``, so every rank does the same causal work).
+
+:class:`ContextParallel` is what a training loop uses: ``sequences(...)`` splits the tensors it names for one forward
+and backward, with attention running as ring attention inside; ``loss(...)`` turns this rank's part of a token loss
+into the whole sequence's mean. ``apply_context_parallel`` does both for a Hugging Face causal LM at each call of the
+model, so ``model(input_ids=..., labels=...)`` trains unchanged and ``out.loss`` is the whole sequence's loss on every
+rank of the group.
+
+Attention reaches the ring through ``torch.nn.functional.scaled_dot_product_attention``, looked up at call time (HF's
+SDPA path, the reference model): while a context-parallel forward or backward is running, its query, key and value
+become sequence-sharded DTensors and torch's ring attention runs on them (``compat/torch.py`` registers the CPU op's
+handler, so CPU/gloo runs it too); any other call is untouched."""
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_mixedfsdp.apply.recovery import StepTracker
+from lightning_mixedfsdp.compat.torch import register_ring_attention
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+IGNORE_INDEX = -100
+_SEQ_DIM = 2
+
+_original_sdpa: Optional[Callable[..., Tensor]] = None
+_active: List["DeviceMesh"] = []
+"""The mesh of the context-parallel forward or backward running now (a stack: nested calls keep theirs)."""
+
+
+def _ring_sdpa(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """``scaled_dot_product_attention``, as ring attention while a context-parallel pass runs."""
+    assert _original_sdpa is not None
+    if not _active:
+        return _original_sdpa(query, key, value, *args, **kwargs)
+    from torch.distributed.tensor import DTensor, Shard
+
+    attn_mask = args[0] if args else kwargs.get("attn_mask")
+    is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
+    if attn_mask is not None or not is_causal:
+        raise ValueError(
+            "context parallelism runs causal attention with no mask (ring attention), but this attention call"
+            f" {'has a mask' if attn_mask is not None else 'is not causal'}: padding, sliding windows and packed"
+            " documents are not supported with context_parallel_size > 1. Pad with tokens labelled -100 instead of a"
+            " padding mask, or set context_parallel_size=1."
+        )
+    mesh = _active[-1]
+    shards = [DTensor.from_local(t, mesh, [Shard(_SEQ_DIM)], run_check=False) for t in (query, key, value)]
+    out: Any = _original_sdpa(*shards, *args, **kwargs)  # a DTensor: torch's ring attention ran on the shards
+    return out.to_local()
+
+
+def _install(rotate_method: str) -> None:
+    """Ring attention registered with torch, and ``scaled_dot_product_attention`` routed through :func:`_ring_sdpa`
+    (once per process)."""
+    global _original_sdpa
+    if _original_sdpa is None:
+        register_ring_attention(rotate_method)
+        _original_sdpa = F.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = _ring_sdpa
+
+
+def head_tail_positions(length: int, size: int, rank: int, device: Any = None) -> Tensor:
+    """The positions of a sequence of ``length`` that context-parallel rank ``rank`` of ``size`` holds, in order:
+    chunks ``rank`` and ``2 size - 1 - rank`` of ``2 size`` (torch's ``_HeadTailLoadBalancer``)."""
+    chunk = length // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+class ContextParallel:
+    """One strategy's context parallelism: the ranks a batch's sequences are split over (``mesh``; None when
+    ``context_parallel_size`` is 1, where every method hands tensors back unchanged)."""
+
+    def __init__(self, mesh: Optional["DeviceMesh"], rotate_method: str = "allgather") -> None:
+        self.mesh = mesh
+        self.size = mesh.size() if mesh is not None else 1
+        self.rank = mesh.get_local_rank() if mesh is not None else 0
+        if mesh is not None:
+            _install(rotate_method)
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def check_length(self, length: int, what: str = "the sequence") -> None:
+        if self.enabled and length % (2 * self.size):
+            raise ValueError(
+                f"context_parallel_size={self.size}: {what} has {length} tokens, which do not divide into"
+                f" 2 x {self.size} = {2 * self.size} chunks (head-tail load balancing); pad it to a multiple of"
+                f" {2 * self.size} with tokens labelled -100."
+            )
+
+    def positions(self, length: int, device: Any = None) -> Tensor:
+        """The global positions of this rank's part of a sequence of ``length`` tokens."""
+        self.check_length(length)
+        if not self.enabled:
+            return torch.arange(length, device=device)
+        return head_tail_positions(length, self.size, self.rank, device)
+
+    def shard(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """This rank's part of ``tensor`` along its sequence dim (head-tail order)."""
+        if not self.enabled:
+            return tensor
+        index = self.positions(tensor.shape[dim], tensor.device)
+        return tensor.index_select(dim, index).contiguous()
+
+    def gather(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """The whole sequence from every rank's part (``out.logits`` of a context-parallel forward), in order."""
+        if not self.enabled:
+            return tensor
+        import torch.distributed as dist
+
+        assert self.mesh is not None
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.mesh.get_group())
+        length = tensor.shape[dim] * self.size
+        order = torch.cat([head_tail_positions(length, self.size, r, tensor.device) for r in range(self.size)])
+        return torch.cat(parts, dim=dim).index_select(dim, torch.argsort(order))
+
+    @contextmanager
+    def sequences(self, *tensors: Tensor, dims: Optional[Tuple[int, ...]] = None) -> Iterator[Tuple[Tensor, ...]]:
+        """This rank's parts of ``tensors`` (each split along its ``dims`` entry, 1 by default), with attention
+        running as ring attention inside the block: run the forward and the backward in it. Tensors handed in must
+        not require grad (token ids, positions, labels)."""
+        dims = dims or tuple(1 for _ in tensors)
+        local = tuple(self.shard(t, d) for t, d in zip(tensors, dims, strict=True))
+        if not self.enabled:
+            yield local
+            return
+        assert self.mesh is not None
+        _active.append(self.mesh)
+        try:
+            yield local
+        finally:
+            _active.pop()
+
+    def loss(self, token_loss_sum: Tensor, token_count: Any) -> Tensor:
+        """The whole sequence's mean token loss from this rank's part: ``token_loss_sum`` sums this rank's token
+        losses, ``token_count`` counts the trained tokens of the whole sequences (labels not -100, all ranks). Its
+        value is the same on every rank of the group; its gradient is this rank's share, scaled so that FSDP's
+        average over the group's ranks adds the shares up."""
+        local = token_loss_sum / token_count
+        if not self.enabled:
+            return local
+        import torch.distributed as dist
+
+        assert self.mesh is not None
+        whole = local.detach().clone()
+        dist.all_reduce(whole, group=self.mesh.get_group())
+        return whole + self.size * (local - local.detach())
+
+
+def shifted_labels(labels: Tensor) -> Tensor:
+    """Next-token labels over the whole sequence (the last position predicts nothing): shift before splitting."""
+    return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def apply_context_parallel(model: nn.Module, context: ContextParallel, tracker: StepTracker) -> List[RemovableHandle]:
+    """At each call of a Hugging Face causal LM: split ``input_ids``, its positions and its labels (shifted over the
+    whole sequence first) along the sequence, run attention as ring attention through the forward and the backward
+    (``tracker`` says when the step's backward ended, or that a failed step was given up), and make ``out.loss`` the
+    whole sequence's loss (tokens labelled -100 counted wherever they fall)."""
+    state: Dict[str, Any] = {}
+    tracker.on_backward_end(_leave)
+    tracker.on_reset(_leave)
+
+    def before(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict]:
+        kwargs = dict(kwargs)
+        if args:
+            kwargs["input_ids"], args = args[0], args[1:]
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, Tensor):
+            raise ValueError(
+                "context parallelism splits input_ids along the sequence: call the model with input_ids= (not"
+                " inputs_embeds)."
+            )
+        context.check_length(ids.shape[1], "input_ids")
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(
+                "context parallelism runs causal attention with no padding mask: this attention_mask masks tokens."
+                " Pad with tokens labelled -100 and leave attention_mask out, or set context_parallel_size=1."
+            )
+        positions = kwargs.pop("position_ids", None)
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        kwargs["input_ids"], kwargs["position_ids"] = context.shard(ids), context.shard(positions)
+        # a plain mask of ones: transformers then builds no mask from the rank's jumping positions (it would read
+        # them as packed documents) and attention stays plain causal over the whole sequence
+        kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+        kwargs["use_cache"] = False
+        labels = kwargs.pop("labels", None)
+        state["counted"] = None
+        if labels is not None:
+            shifted = shifted_labels(labels)
+            count = kwargs.get("num_items_in_batch")
+            if count is None:
+                count = (shifted != IGNORE_INDEX).sum()
+            state["counted"] = kwargs["num_items_in_batch"] = count
+            kwargs["labels"] = kwargs["shift_labels"] = context.shard(shifted)
+        if not _active or _active[-1] is not context.mesh:
+            assert context.mesh is not None
+            _active.append(context.mesh)
+        return args, kwargs
+
+    def after(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            _leave()
+        loss = getattr(output, "loss", None)
+        if state.get("counted") is not None and isinstance(loss, Tensor):
+            # this rank's sum over its tokens divided by the whole count: the ranks' losses add up to the whole mean
+            output["loss"] = context.loss(loss * state["counted"], state["counted"])
+        return output
+
+    return [
+        model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+
+
+def _leave() -> None:
+    if _active:
+        _active.pop()
+
+
+def context_parallel_problems(model: nn.Module, size: int) -> List[str]:
+    """What cannot run with its sequences split over ``size`` ranks: sequence mixers that are not attention (their
+    state runs along the whole sequence), attention that is not causal SDPA without a mask."""
+    if size <= 1:
+        return []
+    problems = []
+    mixers = non_attention_mixers(model)
+    if mixers:
+        problems.append(
+            f"context_parallel_size={size} splits every sequence across ranks, and only attention can run on split"
+            f" sequences (as ring attention); these modules mix tokens another way, which needs the whole sequence:"
+            f" {mixers[:6]}{' and more' if len(mixers) > 6 else ''}. Leave context_parallel_size=1 for this model,"
+            " or use a model whose every sequence mixer is attention."
+        )
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is not None and implementation != "sdpa":
+        problems.append(
+            f"context_parallel_size={size} runs attention through torch's scaled_dot_product_attention, but the model"
+            f" uses attn_implementation={implementation!r}; build or load it with attn_implementation='sdpa'."
+        )
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if (window is not None and getattr(config, "use_sliding_window", True)) or "sliding_attention" in layer_types:
+        problems.append(
+            f"context_parallel_size={size} runs plain causal attention over the whole sequence, but the model uses"
+            f" sliding-window attention (sliding_window={window}); set context_parallel_size=1 for it."
+        )
+    return problems
+
+
+_MIXER_NAMES = ("Mamba", "GatedDeltaNet", "LinearAttention", "Mixer", "RWKV", "ShortConv", "Hyena", "SSM")
+
+
+def non_attention_mixers(model: nn.Module) -> List[str]:
+    """Modules that mix tokens without attention: recurrent or linear-attention mixers by their class name, and
+    convolutions along the sequence (a depthwise ``Conv1d``, as Mamba and GatedDeltaNet have)."""
+    found: List[str] = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if any(part in kind for part in _MIXER_NAMES) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+        elif isinstance(module, nn.Conv1d) and module.groups == module.in_channels > 1:
+            if not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+    return found
