@@ -216,7 +216,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.context_parallel > 1:
-            return self._context_parallel_meshes(device_type)
+            return context_parallel_meshes(self, device_type)
         if self.replicate == 1:
             root = lightning_mesh
             if root is None:
@@ -233,59 +233,61 @@ class ParallelDims:
             data_parallel = flatten_mesh(root[DP_REPLICATE, DP_SHARD], DATA_PARALLEL)
             meshes = ParallelMeshes(root=root, fsdp=root[DP_REPLICATE, DP_SHARD], data_parallel=data_parallel)
         if self.expert_parallel > 1:
-            meshes = replace(meshes, experts=self._expert_meshes(device_type, meshes.root[TENSOR_PARALLEL]))
+            meshes = replace(meshes, experts=expert_meshes(self, device_type, meshes.root[TENSOR_PARALLEL]))
         return meshes
 
-    def _context_parallel_meshes(self, device_type: str) -> ParallelMeshes:
-        """Two meshes over the same ranks: ``(replicate, shard x cp, tp)``, which the params live on (FSDP shards
-        over the flattened shard x cp ranks), and ``(replicate, shard, cp, tp)``, whose dims give the context-parallel
-        groups and the batch ranks. Rank ``((r * shard + s) * cp + c) * tp + t`` is the same rank in both."""
-        from torch.distributed.device_mesh import init_device_mesh
 
+def context_parallel_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:
+    """Two meshes over the same ranks: ``(replicate, shard x cp, tp)``, which the params live on (FSDP shards
+    over the flattened shard x cp ranks), and ``(replicate, shard, cp, tp)``, whose dims give the context-parallel
+    groups and the batch ranks. Rank ``((r * shard + s) * cp + c) * tp + t`` is the same rank in both."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh(
+        device_type,
+        (dims.replicate, dims.shard * dims.context_parallel, dims.tensor_parallel),
+        mesh_dim_names=(DP_REPLICATE, DP_SHARD_CP, TENSOR_PARALLEL),
+    )
+    layout = init_device_mesh(
+        device_type,
+        (dims.replicate, dims.shard, dims.context_parallel, dims.tensor_parallel),
+        mesh_dim_names=(DP_REPLICATE, DP_SHARD, CONTEXT_PARALLEL, TENSOR_PARALLEL),
+    )
+    fsdp = root[DP_SHARD_CP] if dims.replicate == 1 else root[DP_REPLICATE, DP_SHARD_CP]
+    return ParallelMeshes(
+        root=root,
+        fsdp=fsdp,
+        data_parallel=flatten_mesh(layout[DP_REPLICATE, DP_SHARD], DATA_PARALLEL),
+        gradient=flatten_mesh(root[DP_REPLICATE, DP_SHARD_CP], GRADIENT),
+        context_parallel=layout[CONTEXT_PARALLEL],
+    )
+
+
+def expert_meshes(dims: ParallelDims, device_type: str, tensor_parallel: "DeviceMesh") -> ExpertMeshes:
+    """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dims.replicate == 1:
         root = init_device_mesh(
             device_type,
-            (self.replicate, self.shard * self.context_parallel, self.tensor_parallel),
-            mesh_dim_names=(DP_REPLICATE, DP_SHARD_CP, TENSOR_PARALLEL),
+            (dims.expert_shard, dims.expert_parallel),
+            mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
         )
-        layout = init_device_mesh(
+        fsdp = root[EXPERT_DATA_PARALLEL]
+    else:
+        root = init_device_mesh(
             device_type,
-            (self.replicate, self.shard, self.context_parallel, self.tensor_parallel),
-            mesh_dim_names=(DP_REPLICATE, DP_SHARD, CONTEXT_PARALLEL, TENSOR_PARALLEL),
+            (dims.replicate, dims.expert_shard, dims.expert_parallel),
+            mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
         )
-        fsdp = root[DP_SHARD_CP] if self.replicate == 1 else root[DP_REPLICATE, DP_SHARD_CP]
-        return ParallelMeshes(
-            root=root,
-            fsdp=fsdp,
-            data_parallel=flatten_mesh(layout[DP_REPLICATE, DP_SHARD], DATA_PARALLEL),
-            gradient=flatten_mesh(root[DP_REPLICATE, DP_SHARD_CP], GRADIENT),
-            context_parallel=layout[CONTEXT_PARALLEL],
-        )
-
-    def _expert_meshes(self, device_type: str, tensor_parallel: "DeviceMesh") -> ExpertMeshes:
-        """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if self.replicate == 1:
-            root = init_device_mesh(
-                device_type,
-                (self.expert_shard, self.expert_parallel),
-                mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
-            )
-            fsdp = root[EXPERT_DATA_PARALLEL]
-        else:
-            root = init_device_mesh(
-                device_type,
-                (self.replicate, self.expert_shard, self.expert_parallel),
-                mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
-            )
-            fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
-        return ExpertMeshes(
-            root=root,
-            fsdp=fsdp,
-            expert_parallel=root[EXPERT_PARALLEL],
-            tensor_parallel=tensor_parallel,
-            gradient_divide_factor=float(self.data_parallel),
-        )
+        fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
+    return ExpertMeshes(
+        root=root,
+        fsdp=fsdp,
+        expert_parallel=root[EXPERT_PARALLEL],
+        tensor_parallel=tensor_parallel,
+        gradient_divide_factor=float(dims.data_parallel),
+    )
 
 
 def check_sizes(data_parallel_size: Any, replicate: Any, tensor_parallel_size: Any, owner: str) -> None:

@@ -241,3 +241,13 @@ def test_fault_tolerance_benchmark_times_both_launches(capsys) -> None:
     pair = results["pairs"][0]
     assert pair["hsdp_s"] > 0 and pair["ft_s"] > 0 and results["median_ratio"] == pair["ratio"]
     assert "| 1 | " in capsys.readouterr().out
+
+
+def test_context_parallel_benchmark_measures_both_settings_at_each_length(capsys) -> None:
+    from benchmarks import context_parallel
+
+    results = context_parallel.main(["--lengths", "64", "128", "--budget-mib", "64"])
+    assert set(results["growth"]) == {(1, 64), (2, 64), (1, 128), (2, 128)}
+    assert set(results["longest"]) == {1, 2} and all(tokens > 0 for tokens in results["longest"].values())
+    out = capsys.readouterr().out
+    assert "| 128 |" in out and "CP 2:" in out

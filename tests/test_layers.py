@@ -90,3 +90,19 @@ def test_the_torch_only_layers_plan_shard_and_train_without_lightning() -> None:
     assert lines["REPORT"].startswith("mixed_fsdp2 dtype plan: 8 params")
     # print_report=True: the report through the package's logger, on stderr as no logging was configured
     assert "mixed_fsdp2 dtype plan: 8 params" in done.stderr and "blocks.*.norm.weight" in done.stderr
+
+
+def test_every_class_and_function_stays_small():
+    """The package's size limits, so one concern stays one place: no class over 180 lines (config groups included),
+    no function over 60."""
+    import ast
+
+    too_long = []
+    for path in sorted((ROOT / "lightning_mixedfsdp").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 180 if isinstance(node, ast.ClassDef) else 60
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                if lines > limit:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} > {limit})")
+    assert not too_long, too_long

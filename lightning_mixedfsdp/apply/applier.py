@@ -15,7 +15,11 @@ from lightning_mixedfsdp.apply.adapt import ClassRestore
 from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
-from lightning_mixedfsdp.apply.context_parallel import ContextParallel, apply_context_parallel
+from lightning_mixedfsdp.apply.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    apply_ring_attention_span,
+)
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce, apply_cross_replica_reduction
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
 from lightning_mixedfsdp.apply.float8 import apply_float8
@@ -114,9 +118,11 @@ def apply_plan(
         apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
-    if meshes.context_parallel is not None and (is_hf_model(model) or is_peft_model(model)):
-        context = ContextParallel(meshes.context_parallel, options.parallelism.context_parallel_rotate)
-        handles.extend(apply_context_parallel(model, context, tracker))
+    if meshes.context_parallel is not None:
+        handles.extend(apply_ring_attention_span(model, tracker))
+        if is_hf_model(model) or is_peft_model(model):
+            context = ContextParallel(meshes.context_parallel, options.parallelism.context_parallel_rotate)
+            handles.extend(apply_context_parallel(model, context))
     if cross_replica_reduce is not None:
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)

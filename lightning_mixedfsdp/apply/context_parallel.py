@@ -2,19 +2,18 @@
 (the key/value parts travel around the ranks), head-tail load balanced for causal attention (rank ``r`` holds chunks
 ``r`` and ``2cp-1-r`` of ``2cp``, so every rank does the same causal work).
 
-:class:`ContextParallel` is what a training loop uses: ``sequences(...)`` splits the tensors it names for one forward
-and backward, with attention running as ring attention inside; ``loss(...)`` turns this rank's part of a token loss
-into the whole sequence's mean. ``apply_context_parallel`` does both for a Hugging Face causal LM at each call of the
-model, so ``model(input_ids=..., labels=...)`` trains unchanged and ``out.loss`` is the whole sequence's loss on every
-rank of the group.
+:class:`ContextParallel` is what a training loop uses: ``split(...)`` splits the tensors it names for the next
+forward, and attention runs as ring attention until that forward's backward ends; ``loss(...)`` turns this rank's
+part of a token loss into the whole sequence's mean. ``apply_context_parallel`` does both for a Hugging Face causal LM
+at each call of the model, so ``model(input_ids=..., labels=...)`` trains unchanged and ``out.loss`` is the whole
+sequence's loss on every rank of the group.
 
 Attention reaches the ring through ``torch.nn.functional.scaled_dot_product_attention``, looked up at call time (HF's
 SDPA path, the reference model): while a context-parallel forward or backward is running, its query, key and value
 become sequence-sharded DTensors and torch's ring attention runs on them (``compat/torch.py`` registers the CPU op's
 handler, so CPU/gloo runs it too); any other call is untouched."""
 
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ def _ring_sdpa(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: 
     attn_mask = args[0] if args else kwargs.get("attn_mask")
     is_causal = args[2] if len(args) > 2 else kwargs.get("is_causal", False)
     if attn_mask is not None or not is_causal:
+        _active.clear()  # the pass ends here: attention after it is local again
         raise ValueError(
             "context parallelism runs causal attention with no mask (ring attention), but this attention call"
             f" {'has a mask' if attn_mask is not None else 'is not causal'}: padding, sliding windows and packed"
@@ -126,22 +126,21 @@ class ContextParallel:
         order = torch.cat([head_tail_positions(length, self.size, r, tensor.device) for r in range(self.size)])
         return torch.cat(parts, dim=dim).index_select(dim, torch.argsort(order))
 
-    @contextmanager
-    def sequences(self, *tensors: Tensor, dims: Optional[Tuple[int, ...]] = None) -> Iterator[Tuple[Tensor, ...]]:
-        """This rank's parts of ``tensors`` (each split along its ``dims`` entry, 1 by default), with attention
-        running as ring attention inside the block: run the forward and the backward in it. Tensors handed in must
-        not require grad (token ids, positions, labels)."""
+    def split(self, *tensors: Tensor, dims: Optional[Tuple[int, ...]] = None) -> Tuple[Tensor, ...]:
+        """This rank's parts of ``tensors`` (each split along its ``dims`` entry, 1 by default: token ids,
+        positions, labels shifted over the whole sequence), and attention runs as ring attention from here until the
+        backward of the next forward of a model this strategy set up ends (or that forward returns, under no grad).
+        Tensors handed in must not require grad."""
         dims = dims or tuple(1 for _ in tensors)
         local = tuple(self.shard(t, d) for t, d in zip(tensors, dims, strict=True))
-        if not self.enabled:
-            yield local
-            return
-        assert self.mesh is not None
-        _active.append(self.mesh)
-        try:
-            yield local
-        finally:
-            _active.pop()
+        self.activate()
+        return local
+
+    def activate(self) -> None:
+        """Attention runs as ring attention until the running step's backward ends (see :meth:`split`)."""
+        if self.enabled and (not _active or _active[-1] is not self.mesh):
+            assert self.mesh is not None
+            _active.append(self.mesh)
 
     def loss(self, token_loss_sum: Tensor, token_count: Any) -> Tensor:
         """The whole sequence's mean token loss from this rank's part: ``token_loss_sum`` sums this rank's token
@@ -164,14 +163,25 @@ def shifted_labels(labels: Tensor) -> Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def apply_context_parallel(model: nn.Module, context: ContextParallel, tracker: StepTracker) -> List[RemovableHandle]:
-    """At each call of a Hugging Face causal LM: split ``input_ids``, its positions and its labels (shifted over the
-    whole sequence first) along the sequence, run attention as ring attention through the forward and the backward
-    (``tracker`` says when the step's backward ended, or that a failed step was given up), and make ``out.loss`` the
-    whole sequence's loss (tokens labelled -100 counted wherever they fall)."""
-    state: Dict[str, Any] = {}
+def apply_ring_attention_span(model: nn.Module, tracker: StepTracker) -> List[RemovableHandle]:
+    """Ring attention, once a forward started it (:meth:`ContextParallel.split`), ends with the step's backward
+    (``tracker``), when a failed step is given up, or with the forward itself when it runs under no grad or raises."""
     tracker.on_backward_end(_leave)
     tracker.on_reset(_leave)
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if output is None or not torch.is_grad_enabled():  # torch passes None when the forward raised
+            _leave()
+
+    return [model.register_forward_hook(after, always_call=True)]
+
+
+def apply_context_parallel(model: nn.Module, context: ContextParallel) -> List[RemovableHandle]:
+    """At each call of a Hugging Face causal LM: split ``input_ids``, its positions and its labels (shifted over the
+    whole sequence first) along the sequence, run attention as ring attention through the forward and the backward
+    (:func:`apply_ring_attention_span` ends it), and make ``out.loss`` the whole sequence's loss (tokens labelled
+    -100 counted wherever they fall)."""
+    state: Dict[str, Any] = {}
 
     def before(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict]:
         kwargs = dict(kwargs)
@@ -193,7 +203,7 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel, tracker: 
         positions = kwargs.pop("position_ids", None)
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        kwargs["input_ids"], kwargs["position_ids"] = context.shard(ids), context.shard(positions)
+        kwargs["input_ids"], kwargs["position_ids"] = context.split(ids, positions)
         # a plain mask of ones: transformers then builds no mask from the rank's jumping positions (it would read
         # them as packed documents) and attention stays plain causal over the whole sequence
         kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
@@ -207,14 +217,9 @@ def apply_context_parallel(model: nn.Module, context: ContextParallel, tracker: 
                 count = (shifted != IGNORE_INDEX).sum()
             state["counted"] = kwargs["num_items_in_batch"] = count
             kwargs["labels"] = kwargs["shift_labels"] = context.shard(shifted)
-        if not _active or _active[-1] is not context.mesh:
-            assert context.mesh is not None
-            _active.append(context.mesh)
         return args, kwargs
 
     def after(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> Any:
-        if not torch.is_grad_enabled():
-            _leave()
         loss = getattr(output, "loss", None)
         if state.get("counted") is not None and isinstance(loss, Tensor):
             # this rank's sum over its tokens divided by the whole count: the ranks' losses add up to the whole mean

@@ -29,7 +29,12 @@ from lightning_mixedfsdp.planning.memory import (
     longest_sequence,
 )
 from lightning_mixedfsdp.planning.planner import plan_sharding
-from lightning_mixedfsdp.planning.report import expert_lines, format_bytes, format_count, format_plan
+from lightning_mixedfsdp.planning.report import (
+    expert_lines,
+    format_bytes,
+    format_count,
+    format_plan,
+)
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
 
@@ -62,8 +67,11 @@ def format_summary(
     hsdp = replicate > 1
     collectives = plan.predicted_collectives(hsdp=hsdp)
     shard = world_size // replicate
+    cp = plan.context_parallel
+    split = f" ({shard // cp} data-parallel x {cp} context-parallel)" if cp > 1 else ""
     lines = [
-        f"world size {world_size}: {'HSDP ' + str(replicate) + ' x ' if hsdp else 'FSDP over '}{shard} shard ranks",
+        f"world size {world_size}: {'HSDP ' + str(replicate) + ' x ' if hsdp else 'FSDP over '}{shard} shard"
+        f" ranks{split}",
         "collectives per step: " + ", ".join(f"{k} {v}" for k, v in collectives.items()),
     ]
     if plan.experts is not None:
@@ -144,7 +152,9 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--lora-targets", nargs="+", default=None, help="LoRA target modules; default all Linears")
     parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="4-bit frozen base (QLoRA)")
     parser.add_argument("--offload", choices=["cpu"], default=None, help="sharded state in host memory")
-    parser.add_argument("--context-parallel", type=int, default=1, help="ranks each sequence is split over")
+    parser.add_argument(
+        "--context-parallel", type=int, default=None, help="ranks each sequence is split over (overrides the recipe's)"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for the activation estimate")
     parser.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     return parser.parse_args(argv)
@@ -171,7 +181,9 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config.memory = replace(config.memory, quantize_base=args.quantize_base)
     if args.offload is not None:
         config.memory = replace(config.memory, offload=args.offload)
-    experts = config.parallelism.expert_parallel_size
+    if args.context_parallel is not None:
+        config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
+    experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
     problems = [
         f"--expert-parallel {experts}: {p}"
         for p in config.problems()
@@ -189,6 +201,11 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         problems.append(
             f"--expert-parallel {experts} must divide the shard ranks (--world-size {args.world_size} / --replicate"
             f" {replicate})"
+        )
+    elif not (isinstance(context, int) and context >= 1 and (args.world_size // replicate) % context == 0):
+        problems.append(
+            f"--context-parallel {context} must be >= 1 and divide the ranks of a replica (--world-size"
+            f" {args.world_size} / --replicate {replicate})"
         )
     if problems:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + "; ".join(problems))
@@ -209,8 +226,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(format_plan(plan))
     print()
     print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
-    lines = activation_lines(hf_config, args.context_parallel, args.seq_len, args.batch, estimate, args.gpu_memory)
+    context = config.parallelism.context_parallel_size
+    lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory)
     if lines:
         print("\n".join(lines))
     sys.stdout.flush()
-    return {"plan": plan, "estimate": estimate, "seconds": seconds, "params": params}
+    return {"plan": plan, "estimate": estimate, "seconds": seconds, "params": params, "activations": lines}

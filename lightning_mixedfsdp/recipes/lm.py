@@ -2,15 +2,17 @@
 directory, optionally with LoRA adapters) with held-out perplexity from torchmetrics."""
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
+from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_labels
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
 from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
@@ -59,7 +61,7 @@ class CausalLM(pl.LightningModule):
         self.model: Optional[nn.Module] = TinyLlama(model) if model.hf_source() is None else None
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
-        self.held_out_perplexity = Perplexity()
+        self.held_out_perplexity = Perplexity(ignore_index=-100)
         self.perplexities: Dict[str, float] = {}
 
     @override
@@ -96,16 +98,45 @@ class CausalLM(pl.LightningModule):
         for group in optimizer.param_groups:
             group["lr"] = self.lr * factor
 
+    def _context_parallel(self) -> Optional[ContextParallel]:
+        """The strategy's context parallelism when it splits sequences (None otherwise)."""
+        strategy = self.trainer.strategy
+        context = getattr(strategy, "context_parallel", None)
+        return context if isinstance(context, ContextParallel) and context.enabled else None
+
+    def _split_logits(self, tokens: torch.Tensor, context: ContextParallel) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's logits and next-token labels of ``tokens`` under context parallelism: the labels shifted over
+        the whole sequence, then split; an HF model is split by the strategy at its call, the reference model here
+        (with its tokens' global positions)."""
+        assert self.model is not None  # configure_model built it
+        labels = shifted_labels(tokens)
+        if isinstance(self.model, TinyLlama):
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            local, where, local_labels = context.split(tokens, positions, labels, dims=(1, 0, 1))
+            return self.model(local, where), local_labels
+        return self.model(input_ids=tokens).logits, context.shard(labels)
+
     @override
     def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:
-        loss = causal_lm_loss(self.logits(tokens), tokens)
+        context = self._context_parallel()
+        if context is None:
+            loss = causal_lm_loss(self.logits(tokens), tokens)
+        else:
+            logits, labels = self._split_logits(tokens, context)
+            summed = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            loss = context.loss(summed, (shifted_labels(tokens) != -100).sum())
         self.log("train_loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
         return loss
 
     @override
     def validation_step(self, tokens: torch.Tensor, _: int) -> None:
-        self.held_out_perplexity.update(self.logits(tokens)[:, :-1].float(), tokens[:, 1:])
+        context = self._context_parallel()
+        if context is None:
+            self.held_out_perplexity.update(self.logits(tokens)[:, :-1].float(), tokens[:, 1:])
+        else:  # each rank its part of every sequence: the metric adds the parts up
+            logits, labels = self._split_logits(tokens, context)
+            self.held_out_perplexity.update(logits.float(), labels)
 
     @override
     def on_validation_epoch_end(self) -> None:

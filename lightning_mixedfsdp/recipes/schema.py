@@ -11,7 +11,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, flat_names, group_classes, precision_problem
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
-from lightning_mixedfsdp.strategies.mixin import STRATEGY_NAME
+from lightning_mixedfsdp.strategies.intake import STRATEGY_NAME
 
 
 class RecipeError(ValueError):

@@ -16,8 +16,9 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
 from lightning_mixedfsdp.pipeline import ShardedModels
+from lightning_mixedfsdp.strategies.intake import ConfigInput
 from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl, has_dtensor_modules
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin
+from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
 

@@ -1,33 +1,26 @@
-"""What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only pipeline. Config and
-precision intake (``MixedFSDPConfig.from_input``, ``precision.adopt_precision``), the meshes from ``ParallelDims``,
-handing a module to ``shard_model``, the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``);
-the save, load and export sequences are ``checkpointing.py``'s, the work itself lives in the rooms below."""
+"""What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only pipeline. The settings
+(``intake.py``), the meshes from ``ParallelDims``, handing a module to ``shard_model``, context parallelism's split,
+the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``); the save, load and export sequences
+are ``checkpointing.py``'s, the work itself lives in the rooms below."""
 
 import weakref
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 from weakref import WeakSet
 
 import torch
-from lightning.fabric.plugins.precision.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
-from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
-from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance, fault_tolerance_for
-from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, check_sizes
+from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
+from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
-from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision, TPlugin, adopt_precision, plugin_or_default
+from lightning_mixedfsdp.strategies.intake import ConfigInput, IntakeMixin
+from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
-from lightning_mixedfsdp.strategies.process_group import process_group_backend as process_group_backend_for
-from lightning_mixedfsdp.strategies.settings import accelerator_device_type, check_accelerator, check_extras
-
-STRATEGY_NAME = "mixed_fsdp2"
-
-ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
 
 
 def refuse_fsdp1_modules(module: nn.Module, owner: str) -> None:
@@ -41,18 +34,15 @@ def refuse_fsdp1_modules(module: nn.Module, owner: str) -> None:
         )
 
 
-class MixedFSDP2Mixin(CheckpointingMixin):
+class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     """The parts of the Fabric and Trainer strategies that are the same. Mixed in before Lightning's
     ModelParallelStrategy of either package, whose own ``setup_environment`` builds the device mesh."""
 
     _meshes: Optional[ParallelMeshes]
     _sharded: ShardedModels
-    _replicate_size: int
     _data_parallel_size: MeshSize
     _tensor_parallel_size: MeshSize
     _device_mesh: Any
-    _process_group_backend: Optional[str]
-    _accelerator: Any
 
     # provided by Lightning's strategies
     num_nodes: int
@@ -69,17 +59,9 @@ class MixedFSDP2Mixin(CheckpointingMixin):
         tensor_parallel: Any,
         process_group_backend: Optional[str],
     ) -> None:
-        """Before Lightning's ``__init__``, which already calls the precision setter that needs the config. What can be
-        known before any process starts is refused here, once: the config, the mesh sizes, missing extras (torchao,
-        torchft), a process group backend offload cannot use."""
-        owner = type(self).__name__
-        self._config = MixedFSDPConfig.from_input(config, options, owner)
-        check_sizes(data_parallel, replicate, tensor_parallel, owner)
-        check_extras(self._config, owner)
-        if process_group_backend is not None:  # refused now when it has no host part for offload's collectives
-            process_group_backend_for("cuda", process_group_backend, self._host_collectives, owner)
-        self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
-        self._replicate_size = replicate
+        """Before Lightning's ``__init__``: the settings, refused here once when they cannot run
+        (:class:`IntakeMixin`), and the state the hooks fill in."""
+        self._take_settings(config, options, data_parallel, replicate, tensor_parallel, process_group_backend)
         self._meshes = None
         self._context_parallel: Optional[ContextParallel] = None
         self._sharded = ShardedModels()
@@ -90,48 +72,6 @@ class MixedFSDP2Mixin(CheckpointingMixin):
         self._making_optimizer_state = False
 
     @property
-    def _host_collectives(self) -> bool:
-        """Whether collectives meet host tensors (CPU offload), which needs a CPU backend beside NCCL."""
-        return self._config.memory.offload is not None
-
-    # the methods below override those of the Lightning strategy this class is mixed into (the type checker sees no
-    # base here, so they carry no @override)
-    @property
-    def accelerator(self) -> Any:
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, accelerator: Any) -> None:
-        # Lightning hands the strategy its accelerator while Fabric or the Trainer is constructed: what cannot run on
-        # it is refused then, before any process starts
-        if accelerator is not None:
-            check_accelerator(self._config, accelerator_device_type(accelerator), type(self).__name__)
-        self._accelerator = accelerator
-
-    def _get_process_group_backend(self) -> str:
-        # Lightning's private hook (strategies/lightning_compat.py lists it): gloo beside NCCL under offload
-        requested = self._process_group_backend
-        return process_group_backend_for(self.root_device.type, requested, self._host_collectives, type(self).__name__)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if STRATEGY_NAME not in strategy_registry:
-            strategy_registry.register(
-                STRATEGY_NAME, cls, description="FSDP2 with dtype-grouped sharding for mixed-dtype models"
-            )
-
-    def _plugin_or_default(self, plugin: Optional[Precision], plugin_class: Type[TPlugin]) -> TPlugin:
-        assert plugin is None or isinstance(plugin, MixedFSDPPrecision)
-        return plugin_or_default(plugin, self._config, plugin_class)
-
-    def _adopted(self, plugin: Any, plugin_class: Type[TPlugin], translatable: Tuple[type, ...]) -> Optional[TPlugin]:
-        return adopt_precision(plugin, self._config, type(self).__name__, plugin_class, translatable)
-
-    @property
-    def config(self) -> MixedFSDPConfig:
-        return self._config
-
-    @property
     def meshes(self) -> ParallelMeshes:
         if self._meshes is None:
             raise RuntimeError(f"{type(self).__name__}: the device meshes exist only once the processes are launched.")
@@ -139,8 +79,9 @@ class MixedFSDP2Mixin(CheckpointingMixin):
 
     @property
     def context_parallel(self) -> ContextParallel:
-        """Context parallelism's sequence split (``shard``, ``positions``, ``gather``), its ``sequences(...)`` block
-        (ring attention for one forward and backward) and ``loss(...)``; every method a no-op at
+        """Context parallelism for a loop that is not an HF causal LM's: ``split(...)`` (this rank's part of the
+        next forward's tensors; attention runs as ring attention until its backward ends), ``loss(...)`` (the whole
+        sequence's mean from this rank's part) and ``gather(...)``; each hands tensors back unchanged at
         ``context_parallel_size=1``. An HF causal LM needs none of it: the strategy splits its calls itself."""
         if self._context_parallel is None:
             raise RuntimeError(f"{type(self).__name__}: context parallelism exists once the processes are launched.")

@@ -1,36 +1,32 @@
 """``Trainer(strategy="mixed_fsdp2")``: Lightning's (Trainer) ModelParallelStrategy with dtype-grouped FSDP2."""
 
-from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
-from lightning_mixedfsdp.checkpoint.atomic import PathLike, remove_path
 from lightning_mixedfsdp.checkpoint.optimizer_state import AbsentStateRecord
 from lightning_mixedfsdp.mesh import MeshSize
+from lightning_mixedfsdp.strategies.discarded_steps import HeldSchedulers
+from lightning_mixedfsdp.strategies.intake import ConfigInput
 from lightning_mixedfsdp.strategies.lightning_compat import (
     TrainerStepCounter,
     optimizers_to_device,
     set_module_device_mesh,
     undo_optimizer_step,
 )
-from lightning_mixedfsdp.strategies.mixin import ConfigInput, MixedFSDP2Mixin, refuse_fsdp1_modules
+from lightning_mixedfsdp.strategies.mixin import refuse_fsdp1_modules
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
-
-SKIPPED_INTERVAL = "skipped: discarded step"
-"""The interval a step-interval LR scheduler config has while the batch of a discarded step ends: Lightning steps no
-scheduler of an interval it does not know."""
+from lightning_mixedfsdp.strategies.trainer_checkpoints import TrainerCheckpointing
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
@@ -41,7 +37,7 @@ class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
         clip_grad_norm_(self.main_params(optimizer), clip_val)
 
 
-class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
+class MixedFSDP2Strategy(TrainerCheckpointing):
     """FSDP2 for LightningModules whose params mix dtypes; no ``configure_model`` that shards by hand is needed.
 
     Every child module of the LightningModule that holds params is sharded by the dtype plan. A ``configure_model``
@@ -82,8 +78,7 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._absent_state = AbsentStateRecord()
-        # the LR scheduler configs while a discarded step's batch ends (its step-interval schedulers skip it)
-        self._discarded_schedulers: Optional[List[Any]] = None
+        self._held_schedulers = HeldSchedulers()
 
     @property
     @override
@@ -146,16 +141,10 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         optimizer step skip this batch; the batch stays consumed (the next step trains on the next one)."""
         assert self.lightning_module is not None
         undo_optimizer_step(self.lightning_module.trainer)
-        if self._discarded_schedulers is None:
-            self._discarded_schedulers = self.lr_scheduler_configs
-            self.lr_scheduler_configs = [
-                replace(config, interval=SKIPPED_INTERVAL) if config.interval == "step" else config
-                for config in self.lr_scheduler_configs
-            ]
+        self.lr_scheduler_configs = self._held_schedulers.hold(self.lr_scheduler_configs)
 
     def _restore_schedulers(self) -> None:
-        if self._discarded_schedulers is not None:
-            self.lr_scheduler_configs, self._discarded_schedulers = self._discarded_schedulers, None
+        self.lr_scheduler_configs = self._held_schedulers.release(self.lr_scheduler_configs)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -213,46 +202,3 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         assert self.model is not None
         with self._sharded.no_sync(list(self.model.children())):
             yield
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """Lightning's, with a stand-in for the state only some ranks hold (the checkpoint records where it stands
-        in: ``checkpoint/optimizer_state.py``)."""
-        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        key = f"optimizer_{[id(o) for o in self.optimizers].index(id(inner))}" if inner in self.optimizers else None
-        if key is None:
-            return super().optimizer_state(optimizer)
-        with self._saving_optimizers(self.lightning_module, {key: inner}) as absent:
-            state = super().optimizer_state(optimizer)
-        self._absent_state.add(absent)
-        return state
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: Dict[str, Any], filepath: PathLike, storage_options: Optional[Any] = None
-    ) -> None:
-        write = super().save_checkpoint
-        if storage_options is not None:  # Lightning's own refusal, before anything is written
-            write(checkpoint, filepath, storage_options=storage_options)
-        absent = self._absent_state.take()  # made while Lightning assembled the checkpoint (optimizer_state)
-        self._save_checkpoint(
-            filepath, checkpoint, lambda temp, to_save: write(to_save, temp), nullcontext(absent), self.lightning_module
-        )
-
-    @override
-    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        optimizers = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self.optimizers)}
-        read = super().load_checkpoint
-        return self._load_checkpoint(
-            checkpoint_path,
-            self.lightning_module,
-            optimizers,
-            weights_only,
-            lambda at: read(at, weights_only=weights_only),
-            self.lightning_module is None or self.lightning_module.strict_loading,
-        )
-
-    @override
-    def remove_checkpoint(self, filepath: PathLike) -> None:
-        if self.is_global_zero and self.writes_checkpoints():
-            remove_path(filepath)

@@ -99,6 +99,7 @@ def _checkpoint_round_trips(world: int, folder: Path) -> Dict[str, bool]:
 
 
 def _refusals(world: int, strategy: Any) -> Dict[str, str]:
+    from lightning_mixedfsdp.apply import context_parallel
     from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
 
     def error(action: Any) -> str:
@@ -119,6 +120,16 @@ def _refusals(world: int, strategy: Any) -> Dict[str, str]:
     padded[:, -3:] = 0
     out["padding"] = error(lambda: model(input_ids=ids, attention_mask=padded))
     out["length"] = error(lambda: model(input_ids=ids[:, :30]))
+    out["embeds"] = error(lambda: model(inputs_embeds=torch.zeros(ROWS, SEQ, 16)))
+    query = torch.randn(ROWS, 2, SEQ // 2, 8)
+    fabric.strategy.context_parallel.activate()  # as split(...) does before a forward
+    out["not_causal"] = error(lambda: torch.nn.functional.scaled_dot_product_attention(query, query, query))
+    # the refused pass ended: attention is local again, and the model trains on
+    local = torch.nn.functional.scaled_dot_product_attention(query, query, query, is_causal=True)
+    out["local_after"] = str(
+        torch.allclose(local, context_parallel._original_sdpa(query, query, query, is_causal=True))
+    )
+    model(**batch(0, ROWS)).loss.backward()
     return out
 
 
@@ -206,6 +217,9 @@ def test_what_cp_cannot_run_is_refused_with_the_reason(results: list) -> None:
     assert "sliding-window attention" in refusals["sliding"]
     assert "no padding mask" in refusals["padding"]
     assert "30 tokens, which do not divide into 2 x 2 = 4 chunks" in refusals["length"]
+    assert "call the model with input_ids= (not inputs_embeds)" in refusals["embeds"]
+    assert "this attention call is not causal" in refusals["not_causal"] and "no mask" in refusals["not_causal"]
+    assert refusals["local_after"] == "True"
     assert results[1]["refusals"] == refusals  # every rank refuses the same
 
 

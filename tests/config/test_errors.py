@@ -387,3 +387,46 @@ def test_a_missing_torchao_is_refused_at_construction_with_the_install_line(
         ImportError, match=rf"MixedFSDP2Strategy: .* needs torchao.*not installed: pip install .*{install}"
     ):
         MixedFSDP2Strategy(**options)
+
+
+def test_context_parallelism_with_compile_is_refused() -> None:
+    with pytest.raises(
+        MixedFSDPConfigError,
+        match=r"parallelism.context_parallel_size=2 with sharding.compile=True.*\(or context_parallel_size=1\)",
+    ):
+        MixedFSDPConfig(context_parallel_size=2, compile=True).validate()
+
+
+def test_context_parallel_size_must_divide_the_world() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^MixedFSDP2Strategy: .*; context_parallel_size=3 must divide the world size \(4\); use a divisor",
+    ):
+        ParallelDims.resolve(4, 4, context_parallel=3, owner="MixedFSDP2Strategy")
+
+
+def test_context_parallelism_with_tensor_parallelism_is_refused() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"MixedFSDP2Strategy: context_parallel_size=2 with tensor_parallel_size=2 is not supported: both split"
+        r" each sequence's activations.*use one of them",
+    ):
+        ParallelDims(replicate=1, shard=1, tensor_parallel=2, context_parallel=2).validate(4, "MixedFSDP2Strategy")
+
+
+def test_context_parallelism_with_expert_parallelism_is_refused() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"MixedFSDP2Strategy: context_parallel_size=2 with expert_parallel_size=2 is not supported: expert"
+        r" parallelism splits the data-parallel shard ranks.*use one of them",
+    ):
+        ParallelDims(replicate=1, shard=2, expert_parallel=2, context_parallel=2).validate(4, "MixedFSDP2Strategy")
+
+
+def test_context_parallel_sizes_must_multiply_to_the_world_size() -> None:
+    with pytest.raises(
+        RuntimeError,
+        match=r"`data_parallel_size=1`, `context_parallel_size=2` and `tensor_parallel_size=1` multiplied should equal"
+        r" the world size \(4\)",
+    ):
+        ParallelDims(replicate=1, shard=1, context_parallel=2).validate(4, "MixedFSDP2Strategy")

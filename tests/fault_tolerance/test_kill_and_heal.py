@@ -20,7 +20,7 @@ from typing import Any, Dict
 import pytest
 
 from lightning_mixedfsdp.testing import run_distributed
-from lightning_mixedfsdp.testing.replica_groups import Group, start_lighthouse, steps, wait_until
+from lightning_mixedfsdp.testing.replica_groups import Group, records, start_lighthouse, steps, wait_until
 from tests.fault_tolerance.worker import WORKER
 
 pytest.importorskip("torchft")
@@ -38,6 +38,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     victim = Group(1, url, folder, WORKER, extra=["--die-in-reduce-at", str(FAULT_STEP)])
     groups = [survivor, victim]
     try:
+        started = lambda: all(any(r["event"] == "start" for r in records(folder, g, 0)) for g in (0, 1))  # noqa: E731
+        wait_until(started, "both groups to start", 120, groups, folder)
+        (folder / "go").write_text("1")
         # 1-2: group 1 dies inside the reduction of step FAULT_STEP
         deadline = time.monotonic() + 120
         while victim.exit_codes() != [-9, -9]:

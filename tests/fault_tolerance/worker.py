@@ -3,12 +3,12 @@ config, bf16-true with fp32 norms (sharded in the blocks, replicated at the root
 gradient accumulation, activation checkpointing, clipping and AdamW.
 
 The test launches each group as its own set of processes (MASTER_PORT, RANK, WORLD_SIZE as torchrun sets them) and
-steers it through files in ``--folder``: ``stop`` holds the torchft step to stop at, ``save`` the step to save a
-checkpoint at. Each rank appends one JSON line per step to ``g{replica}_r{rank}.jsonl``: torchft's step and
-participants, the vote, and a digest of this rank's params and optimizer state (equal digests: equal to the bit).
-``--die-in-reduce-at K``: at step K this rank posts its first cross-group all-reduce and SIGKILLs itself, a peer
-dying inside the reduction.
-"""
+steers it through files in ``--folder``: ``go`` lets the groups take their first step (the test writes it once every
+group has started, so they meet in the first quorum whatever their start-up times), ``stop`` holds the torchft step to
+stop at, ``save`` the step to save a checkpoint at. Each rank appends one JSON line per step to
+``g{replica}_r{rank}.jsonl``: torchft's step and participants, the vote, and a digest of this rank's params and
+optimizer state (equal digests: equal to the bit). ``--die-in-reduce-at K``: at step K this rank posts its first
+cross-group all-reduce and SIGKILLs itself, a peer dying inside the reduction."""
 
 import argparse
 import hashlib
@@ -83,9 +83,14 @@ def main() -> None:
     parser.add_argument("--model", default="llama", help="a model type of tests/hf_models.py")
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--context-parallel", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fields = {"expert_parallel_size": args.expert_parallel, "compile": args.compile}
+    fields = {
+        "expert_parallel_size": args.expert_parallel,
+        "compile": args.compile,
+        "context_parallel_size": args.context_parallel,
+    }
     fabric, model, optimizer = build(args.replica_id, args.lighthouse, model_type=args.model, fields=fields)
     strategy = fabric.strategy
     manager = strategy.torchft_manager
@@ -110,6 +115,8 @@ def main() -> None:
         log.flush()
 
     write({"event": "start", "step": manager.current_step(), "digest": digest(model, optimizer)})
+    while not (args.folder / "go").exists():  # the test says go once every group has started
+        time.sleep(0.01)
     iteration = 0
     saved_at = None
     while True:

@@ -154,3 +154,29 @@ def test_a_tiny_plan_prints_sizes_in_units_that_fit(capsys: Any) -> None:
     total = out["estimate"].total
     assert f"total        {total / 2**20:.2f} MiB" in printed  # under 1 GiB: MiB
     assert re.search(r"mixed_fsdp2 dtype plan: \d+ params \([\d.]+ MiB\), .* \([\d.]+ KiB replicated\)", printed)
+
+
+def test_context_parallelism_in_the_dry_run_splits_the_activations_and_lengthens_what_fits(capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
+    base = ["--hf-config", config, "--world-size", "8", "--gpu-memory", "80", "--seq-len", "131072"]
+    runs = {cp: main([*base, "--context-parallel", str(cp)]) for cp in (1, 4)}
+    printed = capsys.readouterr().out
+    longest = {
+        cp: int(re.search(r"context_parallel=\d+: (\d+) tokens", out["activations"][-1]).group(1))  # type: ignore
+        for cp, out in runs.items()
+    }
+    assert 3.9 * longest[1] <= longest[4] <= 4 * longest[1] + 1024
+    assert runs[4]["plan"].context_parallel == 4 and runs[1]["plan"].context_parallel == 1
+    assert runs[4]["estimate"].device == runs[1]["estimate"].device  # the params shard over as many ranks
+    assert "FSDP over 8 shard ranks (2 data-parallel x 4 context-parallel)" in printed
+    assert printed.count("context parallel: every sequence split over 4 ranks") == 1
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_ranks_is_refused_before_planning() -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
+    with pytest.raises(SystemExit, match=r"--context-parallel 3 must be >= 1 and divide the ranks of a replica"):
+        main(["--hf-config", config, "--world-size", "8", "--context-parallel", "3"])
