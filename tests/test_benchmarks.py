@@ -251,3 +251,13 @@ def test_context_parallel_benchmark_measures_both_settings_at_each_length(capsys
     assert set(results["longest"]) == {1, 2} and all(tokens > 0 for tokens in results["longest"].values())
     out = capsys.readouterr().out
     assert "| 128 |" in out and "CP 2:" in out
+
+
+def test_sft_packing_benchmark_packs_fewer_rows_with_less_padding(capsys) -> None:
+    from benchmarks import sft_packing
+
+    results = sft_packing.main(["--steps", "2", "--seq-len", "256", "--batch", "1"])
+    packed, padded = results["packed"], results["padded"]
+    assert packed["rows"] < padded["rows"] and packed["padding"] < padded["padding"]
+    assert packed["trained_per_row"] > padded["trained_per_row"]
+    assert "| packed |" in capsys.readouterr().out

@@ -161,7 +161,14 @@ def data_problems(data: DataSection, ranks: int) -> List[str]:
     return [problem] if problem is not None else []
 
 
-class PackedWindows(Dataset):
+class SizedDataset(Dataset):
+    """A map-style dataset with a length: what the training stream and evaluation draw from."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class PackedWindows(SizedDataset):
     """Consecutive non-overlapping windows of ``seq_len`` tokens."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, count: Optional[int] = None) -> None:
@@ -176,7 +183,7 @@ class PackedWindows(Dataset):
         return self.windows[index]
 
 
-class RandomWindows(Dataset):
+class RandomWindows(SizedDataset):
     """``length`` windows of ``seq_len`` tokens at offsets drawn once from a seeded generator."""
 
     def __init__(self, corpus: torch.Tensor, seq_len: int, length: int, seed: int) -> None:
@@ -195,34 +202,54 @@ class RandomWindows(Dataset):
 ConsecutiveWindows = PackedWindows
 
 
-class StreamSampler(Sampler[int]):
-    """This rank's share of a global stream of window indices: epoch after epoch, each a seeded permutation of the
-    windows; global micro-batch ``b`` takes positions ``b * batch * ranks`` onwards, this rank its own ``batch``
-    of them. Yields micro-batches ``start()`` to ``stop - 1``; ``start`` is read when the iteration begins (a heal
-    before the first batch moves it).
+class StreamOrder:
+    """The global stream's window at each position: epoch after epoch, each a seeded permutation of the windows."""
+
+    def __init__(self, windows: int, seed: int) -> None:
+        self.windows, self.seed = windows, seed
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
+
+    def __call__(self, position: int) -> int:
+        epoch = position // self.windows
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._order = epoch, torch.randperm(self.windows, generator=generator)
+        return int(self._order[position % self.windows])
+
+
+class StreamSampler(Sampler[Any]):
+    """This rank's share of the global stream (:class:`StreamOrder`): global micro-batch ``b`` takes positions
+    ``b * batch * ranks`` onwards, this rank its own ``batch`` of them. Yields micro-batches ``start()`` to
+    ``stop - 1``; ``start`` is read when the iteration begins (a heal before the first batch moves it). ``keyed``:
+    each window comes as ``(micro-batch, window)``, for a dataset whose items depend on their step.
 
     Its length is the whole stream's, ``stop`` micro-batches, from the first: a run is one Lightning epoch however
     often it was resumed (every checkpoint is saved inside it), and a resumed Lightning counts the epoch's batches
     from where its checkpoint left off, so that epoch ends with the stream, at ``max_steps``."""
 
     def __init__(
-        self, windows: int, batch: int, ranks: int, rank: int, seed: int, start: Callable[[], int], stop: int
+        self,
+        windows: int,
+        batch: int,
+        ranks: int,
+        rank: int,
+        seed: int,
+        start: Callable[[], int],
+        stop: int,
+        keyed: bool = False,
     ) -> None:
-        self.windows, self.batch, self.ranks, self.rank = windows, batch, ranks, rank
-        self.seed, self.start, self.stop = seed, start, stop
+        self.batch, self.ranks, self.rank = batch, ranks, rank
+        self.order, self.start, self.stop, self.keyed = StreamOrder(windows, seed), start, stop, keyed
 
     def __len__(self) -> int:
         return self.stop * self.batch
 
-    def __iter__(self) -> Iterator[int]:
-        epoch, order = -1, torch.empty(0, dtype=torch.long)
+    def __iter__(self) -> Iterator[Any]:
         for micro_batch in range(self.start(), self.stop):
             first = (micro_batch * self.ranks + self.rank) * self.batch
             for position in range(first, first + self.batch):
-                if position // self.windows != epoch:
-                    epoch = position // self.windows
-                    order = torch.randperm(self.windows, generator=torch.Generator().manual_seed(self.seed + epoch))
-                yield int(order[position % self.windows])
+                window = self.order(position)
+                yield (micro_batch, window) if self.keyed else window
 
 
 class StreamLoader(DataLoader):
@@ -245,8 +272,8 @@ class TextCorpus(pl.LightningDataModule):
         super().__init__()
         self.data, self.seed, self.micro_batches = data, seed, micro_batches
         self.tokenizer = make_tokenizer(data.tokenizer)
-        self.train_set: Optional[PackedWindows] = None
-        self.val_set: Optional[PackedWindows] = None
+        self.train_set: Optional[SizedDataset] = None
+        self.val_set: Optional[SizedDataset] = None
 
     @override
     def setup(self, stage: str) -> None:
@@ -281,11 +308,21 @@ class TextCorpus(pl.LightningDataModule):
             # a run extended from its final checkpoint: that checkpoint's batch was the last of the shorter stream,
             # and Lightning, restoring that mark, would end the epoch and the fit before training; the stream goes on
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = False
-        assert self.train_set is not None
         batch = self.data.batch_size
         start = partial(micro_batches_consumed, trainer)
-        sampler = StreamSampler(len(self.train_set), batch, ranks, rank, self.seed, start, self.micro_batches)
-        return StreamLoader(self.train_set, batch_size=batch, sampler=sampler, drop_last=True)
+        dataset = self._training_set(ranks)
+        sampler = StreamSampler(
+            len(dataset), batch, ranks, rank, self.seed, start, self.micro_batches, keyed=self.keyed_stream
+        )
+        return StreamLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
+
+    keyed_stream = False
+    """Whether the training set takes ``(micro-batch, window)`` keys (``StreamSampler``'s ``keyed``)."""
+
+    def _training_set(self, ranks: int) -> "SizedDataset":
+        """What the training stream draws from, split over ``ranks`` data-parallel ranks."""
+        assert self.train_set is not None
+        return self.train_set
 
     @override
     def val_dataloader(self) -> DataLoader:

@@ -14,7 +14,7 @@ How each export loads (docs/recipes.md, "Loading the exports"):
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch import nn
@@ -52,12 +52,13 @@ def write_reference_config(directory: Path, model: TinyLlamaConfig, dtype: torch
         shutil.copyfile(here / name, directory / name)
 
 
-def write_byte_tokenizer(directory: Path) -> None:
+def write_byte_tokenizer(directory: Path, chat_template: Optional[str] = None) -> None:
     """The runner's byte tokenizer (token i is byte i) as an HF fast tokenizer in ``directory``, written as plain JSON
     so the default install (no transformers, no tokenizers) exports it too: a BPE over GPT-2's 256 byte symbols with
     no merges and HF's ByteLevel pre-tokenizer and decoder, so ``encode(text)`` gives ``list(text.encode("utf-8"))``
     and ``decode`` the text back. No special tokens: the vocabulary is the model's 256 (documents were separated by a
-    blank line in training). The layout is ``tokenizers``' own serialisation (format "1.0")."""
+    blank line in training). The layout is ``tokenizers``' own serialisation (format "1.0"). ``chat_template``: the
+    template a chat fine-tuning rendered its conversations with, for ``apply_chat_template``."""
     symbols = _byte_symbols()
     tokenizer: Dict[str, Any] = {
         "version": "1.0",
@@ -81,7 +82,9 @@ def write_byte_tokenizer(directory: Path) -> None:
             "merges": [],
         },
     }
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    if chat_template is not None:  # a fine-tuned chat model: tokenizer.apply_chat_template renders as in training
+        config["chat_template"] = chat_template
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

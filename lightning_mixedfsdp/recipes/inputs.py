@@ -1,11 +1,13 @@
 """What a recipe points at: the HF model config or pretrained directory, the data files, the tokenizer. Resolved and
 checked in the launching process, before any training process starts; every problem comes with its fix."""
 
+import dataclasses
 import glob
 import json
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
+from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
 
 JSONL_SUFFIX = ".jsonl"
@@ -42,6 +44,24 @@ def hf_config_fields(source: Any) -> dict:
             f"{where} has no 'model_type'; add it (e.g. model_type: llama), so transformers knows which model to build."
         )
     return fields
+
+
+REFERENCE_MODEL_TYPE = "mixedfsdp_tinyllama"
+"""The ``model_type`` of the reference model's export (``hf_export.write_reference_config``)."""
+
+
+def reference_model_config(model: ModelSection) -> Optional[TinyLlamaConfig]:
+    """The reference model's sizes: the recipe's own (no HF model named), or those of a reference model's export that
+    ``model.pretrained`` names (the main job's, to fine-tune); None for an HF model."""
+    if model.hf_source() is None:
+        return model
+    if model.pretrained is None:
+        return None
+    fields = hf_config_fields(model.pretrained)
+    if fields.get("model_type") != REFERENCE_MODEL_TYPE:
+        return None
+    names = {f.name for f in dataclasses.fields(TinyLlamaConfig)}
+    return TinyLlamaConfig(**{name: value for name, value in fields.items() if name in names})
 
 
 def data_files(data: DataSection) -> Tuple[List[Path], List[str]]:
@@ -138,9 +158,15 @@ def input_problems(recipe: Recipe) -> List[str]:
             " to fine-tune a checkpoint (its config.json comes with it)"
         )
     if model.pretrained is not None and not (Path(model.pretrained) / "config.json").is_file():
+        run_export = Path(model.pretrained).name == "export"
         problems.append(
-            f"model.pretrained={model.pretrained!r} is not a directory holding a config.json; point it at a"
-            " save_pretrained() directory"
+            f"model.pretrained={model.pretrained!r} is not a directory holding a config.json; "
+            + (
+                "it names a run's export, which exists once that run has finished: run it first (the main job:"
+                " python -m lightning_mixedfsdp.train --config conf/stdlib_llama.yaml)"
+                if run_export
+                else "point it at a save_pretrained() directory"
+            )
         )
     vocab = None
     if not any("model." in p for p in problems):
@@ -151,7 +177,9 @@ def input_problems(recipe: Recipe) -> List[str]:
     if recipe.peft.enabled and model.hf_source() is None:
         problems.append("peft.enabled needs a Hugging Face model; set model.hf_config or model.pretrained")
     files, file_problems = data_files(data)
-    problems += file_problems + jsonl_problems(files, data.text_field)
+    problems += file_problems
+    if not file_problems and _text_format(data):
+        problems += jsonl_problems(files, data.text_field)
     if data.tokenizer != "bytes" and not Path(data.tokenizer).is_dir():
         problems.append(
             f"data.tokenizer={data.tokenizer!r} is neither 'bytes' nor a directory; point it at a local HF tokenizer"
@@ -165,6 +193,22 @@ def input_problems(recipe: Recipe) -> List[str]:
                 " use a model with vocab_size >= the tokenizer's, or another tokenizer"
             )
     return problems
+
+
+def _text_format(data: DataSection) -> bool:
+    from lightning_mixedfsdp.recipes.sft_data import resolved_format
+
+    return resolved_format(data) == "text"
+
+
+def logger_problems(choice: str) -> List[str]:
+    """The package ``trainer.logger`` needs, when it is missing."""
+    import importlib.util
+
+    needs = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(choice, ())
+    if needs and not any(importlib.util.find_spec(name) is not None for name in needs):
+        return [f"trainer.logger={choice!r} needs the {needs[0]} package: pip install {needs[0]}"]
+    return []
 
 
 def checkpoint_fp32_patterns(directory: str) -> List[str]:

@@ -13,6 +13,7 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_labels
+from lightning_mixedfsdp.recipes.inputs import reference_model_config
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
 from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
@@ -57,8 +58,9 @@ class CausalLM(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.model_section, self.peft = model, peft or PeftSection()
-        # the reference model is built here; an HF model in configure_model, on the meta device
-        self.model: Optional[nn.Module] = TinyLlama(model) if model.hf_source() is None else None
+        # the reference model (or its export) is built here; an HF model in configure_model, on the meta device
+        reference = reference_model_config(model)
+        self.model: Optional[nn.Module] = TinyLlama(reference) if reference is not None else None
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
         self.held_out_perplexity = Perplexity(ignore_index=-100)
@@ -104,12 +106,14 @@ class CausalLM(pl.LightningModule):
         context = getattr(strategy, "context_parallel", None)
         return context if isinstance(context, ContextParallel) and context.enabled else None
 
-    def _split_logits(self, tokens: torch.Tensor, context: ContextParallel) -> Tuple[torch.Tensor, torch.Tensor]:
-        """This rank's logits and next-token labels of ``tokens`` under context parallelism: the labels shifted over
-        the whole sequence, then split; an HF model is split by the strategy at its call, the reference model here
-        (with its tokens' global positions)."""
+    def _split_logits(
+        self, tokens: torch.Tensor, context: ContextParallel, targets: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's logits and next-token labels of ``tokens`` (or of ``targets``, unshifted labels) under context
+        parallelism: the labels shifted over the whole sequence, then split; an HF model is split by the strategy at
+        its call, the reference model here (with its tokens' global positions)."""
         assert self.model is not None  # configure_model built it
-        labels = shifted_labels(tokens)
+        labels = shifted_labels(tokens if targets is None else targets)
         if isinstance(self.model, TinyLlama):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             local, where, local_labels = context.split(tokens, positions, labels, dims=(1, 0, 1))
@@ -138,15 +142,20 @@ class CausalLM(pl.LightningModule):
             logits, labels = self._split_logits(tokens, context)
             self.held_out_perplexity.update(logits.float(), labels)
 
+    evaluated = "held-out perplexity"
+    """What the held-out evaluation measures, as the console says it."""
+
     @override
     def on_validation_epoch_end(self) -> None:
         perplexity = self.held_out_perplexity.compute()
         self.held_out_perplexity.reset()
         when = "untrained" if self.trainer.sanity_checking else f"step {self.global_step}"
         self.perplexities[when] = perplexity.item()
-        rank_zero_info(f"held-out perplexity ({when}): {perplexity.item():.2f}")
+        rank_zero_info(f"{self.evaluated} ({when}): {perplexity.item():.2f} (loss {math.log(perplexity.item()):.4f})")
         if not self.trainer.sanity_checking:
-            self.log("val_ppl", perplexity, prog_bar=True, sync_dist=True)  # equal on all ranks already
+            # equal on all ranks already; the bar shows it until the next evaluation, the console line is this one's
+            self.log("val_ppl", perplexity, prog_bar=True, sync_dist=True)
+            self.log("val_loss", perplexity.log(), sync_dist=True)
         elif self.logger is not None:  # Lightning keeps what the sanity check logs from the loggers; write it at step 0
             self.logger.log_metrics({UNTRAINED_PPL: perplexity.item()}, step=0)
 

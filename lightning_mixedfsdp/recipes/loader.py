@@ -4,7 +4,7 @@ any process starts."""
 
 from typing import List, Optional, Sequence
 
-from lightning_mixedfsdp.recipes.inputs import input_problems
+from lightning_mixedfsdp.recipes.inputs import input_problems, logger_problems
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe
 
 
@@ -19,16 +19,30 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: b
         if launching:
             problems += accelerator_problems(recipe.trainer)
             problems += strategy_problems(recipe)
+            problems += logger_problems(recipe.trainer.logger)
     if not problems and launching:  # reading the data needs valid files and tokenizer
-        from lightning_mixedfsdp.recipes.data import data_problems
-
-        problems += data_problems(recipe.data, recipe.world_size)
+        problems += training_data_problems(recipe)
     if len(problems) == 1:
         raise RecipeError(f"Recipe has 1 problem: {problems[0]}")
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise RecipeError(f"Recipe has {len(problems)} problems:\n{listed}")
     return recipe
+
+
+def training_data_problems(recipe: Recipe) -> List[str]:
+    """Whether the data trains: enough text for a window per rank, or fine-tuning examples that all make correct
+    masks (every bad one named) and fill a row per rank. The data-parallel ranks are the world over the
+    context-parallel size (those ranks share their rows)."""
+    from lightning_mixedfsdp.recipes.data import data_problems
+    from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, fine_tuning_problems, resolved_format
+
+    context = recipe.strategy.parallelism.context_parallel_size
+    ranks = recipe.world_size // context if isinstance(context, int) and context >= 1 else recipe.world_size
+    if resolved_format(recipe.data) in FINE_TUNING:
+        packed = recipe.data.packing and context == 1
+        return fine_tuning_problems(recipe.data, ranks, packed)
+    return data_problems(recipe.data, ranks)
 
 
 def strategy_problems(recipe: Recipe) -> List[str]:

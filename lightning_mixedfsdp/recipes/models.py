@@ -52,18 +52,35 @@ class Attention(nn.Module):
         batch, seq, dim = x.shape
         heads = lambda t: t.view(batch, seq, self.n_heads, dim // self.n_heads).transpose(1, 2)  # noqa: E731
         q, k = _rope(heads(self.wq(x)), positions), _rope(heads(self.wk(x)), positions)
-        out = F.scaled_dot_product_attention(q, k, heads(self.wv(x)), is_causal=True)
+        if positions is not None and positions.dim() == 2:  # packed rows: each document attends only to itself
+            mask = _same_document(positions)[:, None] & torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+            out = F.scaled_dot_product_attention(q, k, heads(self.wv(x)), attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, heads(self.wv(x)), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, dim))
 
 
+def _documents(positions: Tensor) -> Tensor:
+    """Each token's document within its packed row (``batch x sequence`` positions restart at 0 at each)."""
+    return torch.cumsum((positions == 0).to(torch.int64), dim=-1)
+
+
+def _same_document(positions: Tensor) -> Tensor:
+    documents = _documents(positions)
+    return documents[:, :, None] == documents[:, None, :]
+
+
 def _rope(x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-    """Rotary embedding computed on the fly in fp32 (no buffers to cast), at ``positions`` (a sequence's global
-    positions, the same for every row; 0, 1, 2, ... by default): a rank holding part of a sequence (context
-    parallelism) rotates its tokens by where they are in the whole sequence."""
+    """Rotary embedding computed on the fly in fp32 (no buffers to cast), at ``positions``: 0, 1, 2, ... by default;
+    one row of a sequence's global positions shared by every row (a rank holding part of a sequence under context
+    parallelism rotates its tokens by where they are in the whole sequence); or one row per sequence (packed rows,
+    restarting at each document)."""
     seq, head_dim = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
     where = torch.arange(seq, device=x.device) if positions is None else positions.to(x.device)
-    angles = torch.outer(where.to(torch.float32), inv_freq)
+    angles = where.to(torch.float32)[..., None] * inv_freq
+    if angles.dim() == 3:  # per row: broadcast over the heads
+        angles = angles[:, None]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
@@ -100,12 +117,20 @@ class Mixer(nn.Module):
             self.A_log.copy_(torch.log(torch.linspace(1.0, 16.0, self.A_log.numel())))
             self.dt_bias.fill_(-1.0)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """``positions``: one row per sequence restarting at 0 at each packed document, whose running mean then
+        restarts there too; None: one document per row."""
         h = self.in_proj(x)
         dt = F.softplus(h + self.dt_bias)
         decay = torch.exp(-torch.exp(self.A_log.float()) * dt.float())  # fp32 like HF Mamba
         # causal running mean of decayed features: cheap, differentiable, uses both bare params
-        mixed = torch.cumsum(decay * h.float(), dim=1) / torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]
+        summed = torch.cumsum(decay * h.float(), dim=1)
+        if positions is None or positions.dim() != 2:
+            mixed = summed / torch.arange(1, x.shape[1] + 1, device=x.device)[:, None]
+        else:  # per document: minus the sum before the document's first token
+            index = torch.arange(x.shape[1], device=x.device) - positions.to(x.device)  # each token's document start
+            before = F.pad(summed, (0, 0, 1, 0)).gather(1, index[..., None].expand(-1, -1, summed.shape[-1]))
+            mixed = (summed - before) / (positions.to(x.device) + 1)[..., None]
         return self.out_proj(mixed.to(h.dtype))
 
 
@@ -119,7 +144,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         normed = self.attention_norm(x)
-        mixed = self.attention(normed) if isinstance(self.attention, Mixer) else self.attention(normed, positions)
+        mixed = self.attention(normed, positions)
         x = x + mixed
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -137,8 +162,9 @@ class TinyLlama(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, tokens: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        """Logits of ``tokens`` (batch x sequence); ``positions``: the tokens' positions in their sequences (one row
-        for every sequence of the batch), when they are part of longer ones (context parallelism)."""
+        """Logits of ``tokens`` (batch x sequence). ``positions``: one row, the tokens' positions in the sequences
+        they are part of (context parallelism); or ``batch x sequence``, restarting at 0 at each document packed
+        into a row (attention and the mixer's running mean stay within each document)."""
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, positions)

@@ -13,6 +13,7 @@ copies within 2 s are the same request, another one later aborts at once.
 
 import argparse
 import importlib.util
+import math
 import os
 import re
 import shlex
@@ -25,21 +26,26 @@ from typing import List, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
 from lightning_mixedfsdp.planning.report import format_plan
+from lightning_mixedfsdp.recipes.chat import BYTE_CHAT_TEMPLATE
+from lightning_mixedfsdp.recipes.chat_corpus import ChatCorpus
+from lightning_mixedfsdp.recipes.chat_lm import ChatLM
 from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
 from lightning_mixedfsdp.recipes.console import keep_console, process_rank
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
+from lightning_mixedfsdp.recipes.inputs import reference_model_config
 from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
 from lightning_mixedfsdp.recipes.loader import load_recipe
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL, plot_metrics, read_metrics
 from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
+from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, resolved_format, template_text
 from lightning_mixedfsdp.recipes.stopping import StopRequest
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
@@ -90,7 +96,7 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
         check_val_every_n_epoch=None,
         num_sanity_val_steps=-1,  # the whole held-out set before training: the untrained perplexity
         log_every_n_steps=recipe.trainer.log_every_n_steps,
-        logger=CSVLogger(output, name="logs"),
+        logger=build_loggers(recipe.trainer.logger, output),
         callbacks=[checkpoints],
         enable_checkpointing=False,  # RunCheckpoints saves
         default_root_dir=output,  # where Lightning's SLURM requeue saves hpc_ckpt_N.ckpt, which resume_from finds
@@ -99,9 +105,39 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
     )
 
 
+def build_loggers(choice: str, output: Path) -> List[Logger]:
+    """The CSV log (``logs/version_N/metrics.csv``, which the plot reads) and the logger ``trainer.logger`` adds."""
+    loggers: List[Logger] = [CSVLogger(output, name="logs")]
+    if choice == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(output, name="logs"))
+    elif choice == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(save_dir=str(output), project="lightning_mixedfsdp", name=output.name))
+    return loggers
+
+
+def fine_tuning(recipe: Recipe) -> bool:
+    """Whether the recipe fine-tunes on chat or instruction data (else it trains on text)."""
+    return resolved_format(recipe.data) in FINE_TUNING
+
+
+def build_data(recipe: Recipe) -> TextCorpus:
+    """The text windows, or the fine-tuning rows (packed unless context parallelism splits the rows)."""
+    micro_batches = recipe.trainer.max_steps * recipe.trainer.accumulate_grad_batches
+    if not fine_tuning(recipe):
+        return TextCorpus(recipe.data, recipe.trainer.seed, micro_batches)
+    packed = recipe.data.packing and recipe.strategy.parallelism.context_parallel_size == 1
+    accumulate = recipe.trainer.accumulate_grad_batches
+    return ChatCorpus(recipe.data, recipe.trainer.seed, micro_batches, accumulate, packed)
+
+
 def build_module(recipe: Recipe) -> CausalLM:
     optim = recipe.optimizer
-    return CausalLM(
+    module_class = ChatLM if fine_tuning(recipe) else CausalLM
+    return module_class(
         recipe.model,
         optim.lr,
         optim.weight_decay,
@@ -120,8 +156,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     stop = StopRequest()
     checkpoints = RunCheckpoints(folder, recipe.trainer.checkpoint_every_n_steps, recipe.trainer.keep_checkpoints, stop)
     trainer = build_trainer(recipe, checkpoints)
-    micro_batches = recipe.trainer.max_steps * recipe.trainer.accumulate_grad_batches
-    datamodule = TextCorpus(recipe.data, recipe.trainer.seed, micro_batches)
+    datamodule = build_data(recipe)
     module = build_module(recipe)
     if checkpoint is not None:
         rank_zero_info(f"resuming from {checkpoint}")
@@ -142,13 +177,45 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
             f"continue with: {command} --resume last"
         )
         return outcome
-    start = f"{outcome.untrained:.2f} untrained" if outcome.untrained is not None else "not evaluated untrained"
-    finish = f"{outcome.trained:.2f}" if outcome.trained is not None else "not evaluated"
     rank_zero_info(
-        f"held-out perplexity: {start} -> {finish} after {steps} steps\n"
+        f"{summary(outcome, isinstance(module, ChatLM))}\n"
         f"checkpoint: {folder.last}\nexport: {folder.export}\nplot: {folder.plot}\nconsole log: {folder.console}"
     )
+    if isinstance(datamodule, ChatCorpus) and trainer.is_global_zero:
+        show_an_answer(recipe, datamodule)
     return outcome
+
+
+def summary(outcome: Outcome, fine_tuned: bool) -> str:
+    """The run's last line: held-out perplexity before and after (fine-tuning: the loss on the trained tokens, and
+    its perplexity)."""
+    if fine_tuned:
+        if outcome.untrained is None or outcome.trained is None:
+            return f"held-out loss on the trained tokens: not evaluated at both ends of the {outcome.steps} steps"
+        return (
+            f"held-out loss on the trained tokens: {math.log(outcome.untrained):.4f} untrained ->"
+            f" {math.log(outcome.trained):.4f} after {outcome.steps} steps (perplexity {outcome.untrained:.2f} ->"
+            f" {outcome.trained:.2f})"
+        )
+    start = f"{outcome.untrained:.2f} untrained" if outcome.untrained is not None else "not evaluated untrained"
+    finish = f"{outcome.trained:.2f}" if outcome.trained is not None else "not evaluated"
+    return f"held-out perplexity: {start} -> {finish} after {outcome.steps} steps"
+
+
+def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
+    """The first held-out question answered by the export, beside the answer the data gives."""
+    from lightning_mixedfsdp.recipes.generate import generate_answer, held_out_question
+    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker
+
+    found = held_out_question(recipe.data, datamodule.format)
+    if found is None:
+        return
+    prompt, expected = found
+    maker = ExampleMaker(recipe.data, datamodule.format, datamodule.tokenizer)
+    reference = reference_model_config(recipe.model) is not None
+    answer = generate_answer(run_folder(recipe).export, prompt, maker, trust_remote_code=reference)
+    question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    rank_zero_info(f"held-out question: {question}\nexport's answer:   {answer}\nthe data's answer: {expected}")
 
 
 def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
@@ -161,13 +228,16 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
     dtype = DTYPES[recipe.output.export_dtype]
 
+    reference = reference_model_config(recipe.model)
+    chat_template = BYTE_CHAT_TEMPLATE if isinstance(datamodule, ChatCorpus) and datamodule.format == "chat" else None
+
     def beside_the_weights(directory: Path) -> None:
-        if recipe.model.hf_source() is None:
-            write_reference_config(directory, recipe.model, dtype)
+        if reference is not None:
+            write_reference_config(directory, reference, dtype)
         if isinstance(datamodule.tokenizer, HFTokenizer):
             datamodule.tokenizer.save_pretrained(directory)
         else:
-            write_byte_tokenizer(directory)
+            write_byte_tokenizer(directory, template_text(recipe.data.chat_template) or chat_template)
 
     strategy.export_safetensors(module.model, folder.export, dtype=dtype, also_write=beside_the_weights)
     if recipe.peft.enabled:
@@ -182,9 +252,10 @@ def dry_run(recipe: Recipe) -> None:
     from lightning_mixedfsdp.recipes.models import TinyLlama
 
     model: nn.Module
-    if recipe.model.hf_source() is None:
+    reference = reference_model_config(recipe.model)
+    if reference is not None:
         with torch.device("meta"):
-            model = TinyLlama(recipe.model)
+            model = TinyLlama(reference)
     else:
         model = build_hf_model(recipe.model, recipe.peft)
     world, replicate = recipe.world_size, recipe.strategy.data_parallel_replicate_size
@@ -266,8 +337,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(outcome.stopped_by.exit_code)
 
 
-RECIPE_PACKAGES = ("matplotlib",)
-"""What the runner needs beyond the library (the run's plot): the ``recipes`` extra."""
+RECIPE_PACKAGES = ("matplotlib", "transformers")
+"""What the runner needs beyond the library (the run's plot; exports loaded back): the ``recipes`` extra."""
 
 
 def _installed(name: str) -> bool:

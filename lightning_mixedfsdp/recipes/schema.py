@@ -46,6 +46,9 @@ class TrainerSection:
     """Steps between logged training losses (CSV under ``output.dir/logs``)."""
     seed: int = 1234
     """Seeds the model's init and the data order."""
+    logger: str = "csv"
+    """Where the metrics go besides ``logs/version_N/metrics.csv`` (which the plot reads): ``csv`` (only there),
+    ``tensorboard`` (``logs/``; needs ``tensorboard``) or ``wandb`` (needs ``wandb``; offline unless you log in)."""
 
 
 @dataclass
@@ -102,7 +105,23 @@ class DataSection:
     max_bytes: int = 4_000_000
     """Cap on the text read for training (and again for the held-out split)."""
     val_windows: int = 64
-    """Held-out windows evaluated for the perplexity."""
+    """Held-out windows (fine-tuning: held-out rows) evaluated for the perplexity."""
+    format: Optional[str] = None
+    """``text`` (continued pre-training: the loss on every token), ``chat`` (each ``.jsonl`` line holds ``messages``,
+    a list of ``{role, content}``; the loss on the assistant turns) or ``instruction`` (``prompt`` and
+    ``completion``; the loss on the completion). None: detected from the first ``.jsonl`` line's fields (text files:
+    ``text``). Without ``data.files``, ``chat`` and ``instruction`` train on questions about the standard library's
+    functions answered by their docstrings."""
+    packing: bool = True
+    """Fine-tuning: pack several conversations into each row of ``seq_len`` tokens, positions restarting at each and
+    attention never crossing one; False: one conversation per row, padded (labelled -100). Context parallelism
+    trains unpacked."""
+    too_long: str = "truncate"
+    """Fine-tuning: a conversation longer than ``seq_len`` is cut to it (``truncate``), left out (``drop``), or
+    refused before launch (``error``); the count is reported."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (its text, or a file holding it) in place of the tokenizer's; the byte tokenizer's is
+    ``<|role|>\\n{content}<|end|>\\n`` per message."""
 
 
 @dataclass
@@ -252,6 +271,9 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         )
     if recipe.data.val_windows < 1 or recipe.data.max_bytes < 1:
         problems.append("data.val_windows and data.max_bytes must be >= 1")
+    problems += data_choice_problems(recipe.data, recipe.strategy.parallelism.context_parallel_size)
+    if recipe.trainer.logger not in LOGGERS:
+        problems.append(f"trainer.logger={recipe.trainer.logger!r}: use one of {', '.join(LOGGERS)}")
     betas = list(recipe.optimizer.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         problems.append(f"optimizer.betas={betas} must be two values in [0, 1), e.g. [0.9, 0.95]")
@@ -265,6 +287,26 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         problems.append(
             f"strategy.parallelism.expert_parallel_size={experts} must divide the data-parallel shard ranks ({shard});"
             " use a divisor of it, or 1"
+        )
+    return problems
+
+
+FORMATS = ("text", "chat", "instruction")
+TOO_LONG = ("truncate", "drop", "error")
+LOGGERS = ("csv", "tensorboard", "wandb")
+
+
+def data_choice_problems(data: DataSection, context_parallel: int) -> List[str]:
+    """The data section's choices, and the sequence length context parallelism splits."""
+    problems = []
+    if data.format is not None and data.format not in FORMATS:
+        problems.append(f"data.format={data.format!r}: use one of {', '.join(FORMATS)}, or leave it out to detect it")
+    if data.too_long not in TOO_LONG:
+        problems.append(f"data.too_long={data.too_long!r}: use one of {', '.join(TOO_LONG)}")
+    if isinstance(context_parallel, int) and context_parallel > 1 and data.seq_len % (2 * context_parallel):
+        problems.append(
+            f"data.seq_len={data.seq_len} must divide into 2 x strategy.parallelism.context_parallel_size ="
+            f" {2 * context_parallel} chunks (head-tail load balancing); use a multiple of {2 * context_parallel}"
         )
     return problems
 

@@ -1,0 +1,250 @@
+"""Fine-tuning data in one process: exactly the assistant tokens are trained (two real template styles, the byte
+template, and agreement with transformers' own ``{% generation %}`` mask), the instruction format, templates and
+prompts that cannot give correct masks refused with the reason, packed and padded rows, each step's trained-token
+count, packing that keeps an HF Llama's logits for each conversation as they are alone, and every bad input refused
+before launch, all at once."""
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+from lightning_mixedfsdp.recipes.chat import (
+    BYTE_END_OF_TURN,
+    IGNORE_INDEX,
+    ChatTemplateError,
+    byte_chat_format,
+    chat_example,
+    hf_chat_format,
+    instruction_example,
+)
+from lightning_mixedfsdp.recipes.schema import RecipeError
+from lightning_mixedfsdp.recipes.sft_data import Rows, StepRows, packed_rows, padded_rows
+from tests.recipes.sft_tokenizers import CHATML_GENERATION, QWEN3_THINKING, save_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello, how are you?"},
+    {"role": "assistant", "content": "I am fine, thank you."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris."},
+]
+
+
+def trained_spans(labels: List[int]) -> List[List[int]]:
+    spans, current = [], []
+    for label in [*labels, IGNORE_INDEX]:
+        if label != IGNORE_INDEX:
+            current.append(label)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {family: save_tokenizer(root / family, family) for family in ("chatml", "llama3")}
+
+
+def _load(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama3"])
+@pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:3]], ids=["with-system", "one-turn"])
+def test_exactly_the_assistant_turns_and_their_end_of_turn_are_trained(
+    tokenizers: Dict[str, Path], family: str, messages: List[Dict[str, str]]
+) -> None:
+    tokenizer = _load(tokenizers[family])
+    example = chat_example(messages, hf_chat_format(tokenizer))
+    decoded = [tokenizer.decode(span) for span in trained_spans(example.labels)]
+    assert decoded == [m["content"] + tokenizer.eos_token for m in messages if m["role"] == "assistant"]
+    assert all(label in (IGNORE_INDEX, token) for token, label in zip(example.ids, example.labels, strict=True))
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(example.ids) == full  # the whole conversation, as the template writes it
+
+
+def test_the_prefix_masks_equal_transformers_generation_mask(tokenizers: Dict[str, Path]) -> None:
+    tokenizer = _load(tokenizers["chatml"])
+    tokenizer.chat_template = CHATML_GENERATION
+    theirs = tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ours = chat_example(CONVERSATION, hf_chat_format(tokenizer))
+    assert ours.ids == list(theirs["input_ids"])
+    assert [int(label != IGNORE_INDEX) for label in ours.labels] == list(theirs["assistant_masks"])
+
+
+def test_the_byte_template_trains_each_assistant_turn_and_its_end_marker() -> None:
+    example = chat_example(CONVERSATION, byte_chat_format(lambda text: list(text.encode())))
+    assert [bytes(span).decode() for span in trained_spans(example.labels)] == [
+        "I am fine, thank you." + BYTE_END_OF_TURN,
+        "The capital of France is Paris." + BYTE_END_OF_TURN,
+    ]
+    assert bytes(example.ids).decode().startswith("<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\n")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(tokenizers: Dict[str, Path]) -> None:
+    tokenizer = _load(tokenizers["chatml"])
+    thinking = [dict(m) for m in CONVERSATION]
+    thinking[2]["content"] = "<think>\nGreeting.\n</think>\n\nI am fine, thank you."
+    chat = hf_chat_format(tokenizer, QWEN3_THINKING)
+    with pytest.raises(ChatTemplateError, match=r"rewrites earlier turns.*Set data.chat_template"):
+        chat_example(thinking, chat)
+    chat_example(thinking[:3], chat)  # one assistant turn: nothing rewritten, accepted
+
+
+def test_instruction_pairs_train_the_completion_and_eos_only(tokenizers: Dict[str, Path]) -> None:
+    tokenizer = _load(tokenizers["chatml"])
+
+    def encode(text: str) -> List[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    example = instruction_example("The capital of France is", " Paris.", encode, [tokenizer.eos_token_id])
+    assert tokenizer.decode([t for t in example.labels if t != IGNORE_INDEX]) == " Paris.<|im_end|>"
+    assert example.labels[: len(encode("The capital of France is"))] == [IGNORE_INDEX] * 5
+    with pytest.raises(ChatTemplateError, match=r"a token spans the boundary.*Move the whitespace"):
+        instruction_example("The capital of France is ", "Paris.", encode)
+
+
+def _rows_of(lengths: List[int]) -> List:  # type: ignore[type-arg]
+    from lightning_mixedfsdp.recipes.chat import Example
+
+    return [Example(list(range(1, n + 1)), [IGNORE_INDEX] + list(range(2, n + 1))) for n in lengths]
+
+
+def test_packed_rows_restart_positions_and_never_train_across_a_boundary() -> None:
+    rows = packed_rows(_rows_of([5, 4, 6, 3]), 10, pad=0)
+    assert len(rows) == 2
+    assert rows.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0]  # the tail's padding has its own positions
+    assert rows.labels[0].tolist() == [-100, 2, 3, 4, 5, -100, 2, 3, 4, -100]
+    assert rows.input_ids[1].tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3, 0]
+    assert rows.trained.tolist() == [4 + 3, 5 + 2] and rows.lengths.tolist() == [9, 9]
+    padded = padded_rows(_rows_of([5, 4]), 8, pad=0)
+    assert padded.position_ids[1].tolist() == list(range(8)) and padded.labels[1, 4:].tolist() == [-100] * 4
+    assert padded.padding == pytest.approx(7 / 16)
+
+
+def test_each_items_step_count_is_every_rank_and_micro_batch_of_its_step() -> None:
+    rows = packed_rows(_rows_of([3, 7, 2, 9, 5, 4, 8, 6, 10, 3]), 12, pad=0)
+    stream = StepRows(rows, seed=3, batch=2, ranks=2, accumulate=2)  # 8 rows a step
+    trained = rows.trained.tolist()
+    for step in range(3):  # epochs wrap
+        positions = range(step * 8, step * 8 + 8)
+        assert stream.step_tokens(step) == sum(trained[stream.order(p)] for p in positions)
+        item = stream[(step * 2 + 1, 0)]
+        assert int(item["step_tokens"]) == stream.step_tokens(step) and item["input_ids"].shape == (12,)
+
+
+def test_a_conversation_packed_between_two_others_gives_the_logits_it_gives_alone(tokenizers: Dict[str, Path]) -> None:
+    """An HF Llama as the fine-tuning step calls it (``position_ids``, no attention mask, no cache), bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load(tokenizers["chatml"])
+    chat = hf_chat_format(tokenizer)
+    examples = [chat_example(m, chat) for m in (CONVERSATION, CONVERSATION[1:3], CONVERSATION[:1] + CONVERSATION[3:])]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    rows: Rows = packed_rows(examples, sum(len(e.ids) for e in examples) + 5, pad=tokenizer.pad_token_id)
+    assert len(rows) == 1
+    start, length = len(examples[0].ids), len(examples[1].ids)
+    with torch.no_grad():
+        packed = model(input_ids=rows.input_ids, position_ids=rows.position_ids, use_cache=False).logits
+        alone = model(input_ids=torch.tensor([examples[1].ids]), use_cache=False).logits
+        seen = model(input_ids=rows.input_ids, use_cache=False).logits  # positions running on: attends across
+    middle = packed[0, start : start + length].float()
+    spread = alone.float().abs().max()
+    assert (middle - alone[0].float()).abs().max() <= 0.02 * spread  # bf16 rounding of the different sums
+    assert (seen[0, start : start + length].float() - alone[0].float()).abs().max() > 0.1 * spread
+
+
+def _recipe(tmp_path: Path, lines: List[object], *overrides: str) -> None:
+    from lightning_mixedfsdp.recipes.loader import load_recipe
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    load_recipe(
+        str(ROOT / "conf" / "stdlib_llama.yaml"),
+        [f"data.files={data}", "data.seq_len=64", "data.held_out_every=2", "data.val_windows=2", *overrides],
+    )
+
+
+def _chat(user: str = "Hi?", answer: str = "Hello.") -> Dict[str, object]:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+BAD_INPUTS = {
+    "not JSON": (['{"messages": [', _chat()], [], r"data\.jsonl:1 is not JSON \(.*\); fix the line"),
+    "no assistant turn": (
+        [_chat(), {"messages": [{"role": "user", "content": "Hi?"}]}],
+        [],
+        r"data\.jsonl:2 the conversation has no assistant turn, so nothing in it would be trained; add one or drop it",
+    ),
+    "unknown role": (
+        [_chat(), {"messages": [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "x"}]}],
+        [],
+        r"data\.jsonl:2 message 0 has role 'bot'; use one of system, user, assistant",
+    ),
+    "fields not matching the format": (
+        [_chat(), {"prompt": "a", "completion": "b"}],
+        [],
+        r"data\.jsonl:2 has the fields \['completion', 'prompt'\], not 'messages' as data.format='chat' needs",
+    ),
+    "every conversation too long": (
+        [_chat(answer="x" * 80), _chat(answer="y" * 90)],
+        ["data.too_long=drop"],
+        r"0 training and 0 held-out examples \(2 too long for data.seq_len=64 left out\)",
+    ),
+    "too long under error": (
+        [_chat(), _chat(answer="x" * 80), _chat()],
+        ["data.too_long=error"],
+        r"1 examples are longer than data.seq_len=64 tokens; raise data.seq_len, or set data.too_long=truncate or drop",
+    ),
+    "an unknown format": ([_chat(), _chat()], ["data.format=dialogue"], r"data.format='dialogue': use one of text"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_fine_tuning_data_is_refused_before_launch_with_the_fix(tmp_path: Path, case: str) -> None:
+    lines, overrides, message = BAD_INPUTS[case]
+    with pytest.raises(RecipeError, match=message):
+        _recipe(tmp_path, lines, *overrides)
+
+
+def test_a_tokenizer_without_a_chat_template_names_the_option(tmp_path: Path, tokenizers: Dict[str, Path]) -> None:
+    plain = _load(tokenizers["llama3"])
+    plain.chat_template = None
+    plain.save_pretrained(str(tmp_path / "plain"))
+    (tmp_path / "plain" / "chat_template.jinja").unlink(missing_ok=True)
+    overrides = [f"data.tokenizer={tmp_path / 'plain'}", "model.vocab_size=512"]
+    with pytest.raises(RecipeError, match=r"has no chat template; set data.chat_template to a Jinja template"):
+        _recipe(tmp_path, [_chat(), _chat()], *overrides)
+
+
+def test_every_bad_record_is_reported_at_once(tmp_path: Path) -> None:
+    lines = [_chat(), "nope", {"messages": []}, {"messages": [{"role": "user", "content": "no answer"}]}, _chat()]
+    with pytest.raises(RecipeError) as error:
+        _recipe(tmp_path, lines)
+    assert [int(n) for n in re.findall(r"data\.jsonl:(\d+)", str(error.value))] == [2, 3, 4]
+
+
+def test_the_generated_conversations_are_the_same_each_time_and_all_trainable() -> None:
+    from lightning_mixedfsdp.recipes.chat import conversation_problem
+    from lightning_mixedfsdp.recipes.stdlib_chat import stdlib_conversations
+
+    first, again = list(stdlib_conversations()), list(stdlib_conversations())
+    assert first == again and len(first) > 200
+    assert all(conversation_problem(messages) is None for messages in first)
+    assert any(len(messages) == 5 for messages in first) and any(m[0]["role"] == "system" for m in first)

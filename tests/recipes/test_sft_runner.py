@@ -1,0 +1,118 @@
+"""Supervised fine-tuning through the runner, as a user runs it (``python -m lightning_mixedfsdp.train``, 2 CPU
+processes), at tiny sizes: the main job's export fine-tuned on the generated chat data by
+``conf/stdlib_llama_sft.yaml`` (the held-out loss on the trained tokens falls, an answer is generated from the
+export, the export's tokenizer renders chats as training did, and a run resumed from its middle checkpoint repeats
+the uninterrupted losses bit for bit); and the HF recipes (``sft_local_dir*.yaml``) on a local model with a ChatML
+tokenizer: chat with LoRA, chat with QLoRA, prompt/completion pairs in full, one per row."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from lightning_mixedfsdp.recipes.plot import read_metrics
+from tests.recipes.sft_tokenizers import save_tokenizer
+from tests.recipes.test_hf_recipes import train
+
+MAIN = [
+    "--config", "conf/stdlib_llama.yaml", "trainer.max_steps=4", "trainer.val_check_interval=4", "model.dim=32",
+    "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64", "data.val_windows=2", "data.max_bytes=100000",
+]  # fmt: skip
+SFT = [
+    "--config", "conf/stdlib_llama_sft.yaml", "trainer.max_steps=8", "trainer.val_check_interval=8",
+    "trainer.checkpoint_every_n_steps=4", "trainer.log_every_n_steps=1", "data.val_windows=2", "data.seq_len=256",
+]  # fmt: skip
+LOSS = r"held-out loss on the trained tokens: ([\d.]+) untrained -> ([\d.]+) after 8 steps"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    root = tmp_path_factory.mktemp("sft")
+    main, whole, resumed = root / "main", root / "whole", root / "resumed"
+    train(*MAIN, f"output.dir={main}")
+    out: Dict[str, Any] = {"whole": whole, "export": main / "export"}
+    out["whole_out"] = train(*SFT, f"model.pretrained={main / 'export'}", f"output.dir={whole}")
+    # the run as it stood at step 4, resumed from there
+    shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("last.ckpt", "step=8.ckpt", "export"))
+    shutil.rmtree(resumed / "logs")
+    out["resumed_out"] = train(*SFT, f"model.pretrained={main / 'export'}", f"output.dir={resumed}", "--resume", "last")
+    out["whole_losses"] = read_metrics(whole / "logs")["train_loss"]
+    out["resumed_losses"] = read_metrics(resumed / "logs")["train_loss"]
+    return out
+
+
+def test_fine_tuning_the_main_jobs_export_lowers_the_held_out_loss_and_answers(runs: Dict[str, Any]) -> None:
+    out = runs["whole_out"]
+    before, after = map(float, re.search(LOSS, out).groups())  # type: ignore[union-attr]
+    assert after < before
+    assert re.search(r"data: chat, \d+ training and \d+ held-out examples in \d+ and \d+ rows of 256 tokens", out)
+    assert "held-out question: " in out and "export's answer: " in out and "the data's answer: " in out
+    assert "param:" in out  # the export's fp32 tensors are keep-fp32 rules of the plan
+
+
+def test_the_exports_tokenizer_renders_chats_as_training_did(runs: Dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    from lightning_mixedfsdp.recipes.chat import byte_chat_format
+
+    tokenizer = AutoTokenizer.from_pretrained(runs["whole"] / "export")
+    messages = [{"role": "user", "content": "What does `math.fabs` do?"}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == byte_chat_format(lambda t: list(t.encode())).render(messages, True)
+    assert tokenizer(rendered)["input_ids"] == list(rendered.encode())
+
+
+def test_a_run_resumed_from_its_middle_checkpoint_repeats_the_losses(runs: Dict[str, Any]) -> None:
+    whole, resumed = runs["whole_losses"], runs["resumed_losses"]
+    assert sorted(resumed) == [4, 5, 6, 7] and sorted(whole) == list(range(8))  # steps 5 to 8, logged 0-based
+    assert all(resumed[step] == whole[step] for step in resumed), (whole, resumed)
+
+
+@pytest.fixture(scope="module")
+def local_model(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
+    """An HF Llama saved with a ChatML tokenizer, and chat and prompt/completion data."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.hf_models import tiny_config
+
+    root = tmp_path_factory.mktemp("local")
+    tokenizer = AutoTokenizer.from_pretrained(str(save_tokenizer(root / "tokenizer", "chatml")))
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))).to(torch.bfloat16)
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    pairs = [(f"What is {a} plus {b}?", f"It is {a + b}.") for a in range(6) for b in range(4)]
+    with (root / "chat.jsonl").open("w") as chat, (root / "pairs.jsonl").open("w") as completions:
+        for question, answer in pairs:
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            chat.write(json.dumps({"messages": messages}) + "\n")
+            completions.write(json.dumps({"prompt": f"Q: {question}\nA:", "completion": f" {answer}"}) + "\n")
+    return {"model": root / "model", "chat": root / "chat.jsonl", "pairs": root / "pairs.jsonl"}
+
+
+@pytest.mark.parametrize(
+    "recipe, data", [("sft_local_dir_lora", "chat"), ("sft_local_dir_qlora", "chat"), ("sft_local_dir", "pairs")]
+)
+def test_the_hf_fine_tuning_recipes_train_on_a_local_model(
+    local_model: Dict[str, Path], recipe: str, data: str, tmp_path: Path
+) -> None:
+    if recipe.endswith("qlora"):
+        pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install 'lightning-mixedfsdp[qlora]')")
+    model = local_model["model"]
+    out = train(
+        "--config", f"conf/{recipe}.yaml", f"model.pretrained={model}", f"data.tokenizer={model}",
+        f"data.files={local_model[data]}", "data.seq_len=128", "data.held_out_every=4", "data.val_windows=2",
+        "trainer.max_steps=3", "trainer.val_check_interval=3", f"output.dir={tmp_path}",
+        *(["data.packing=false"] if data == "pairs" else []),  # one pair per row: the unpacked rows
+    )  # fmt: skip
+    fine_tuning = "chat" if data == "chat" else "instruction"
+    assert f"data: {fine_tuning}, 18 training and 6 held-out examples" in out
+    before, after = map(float, re.search(r"trained tokens: ([\d.]+) untrained -> ([\d.]+)", out).groups())  # type: ignore[union-attr]
+    assert after < before
+    assert "export's answer: " in out
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert (tmp_path / "adapter").is_dir() == ("lora" in recipe)
