@@ -42,11 +42,16 @@ def _register() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    # the precision plugin is a Lightning class: imported on first use, so the package imports without Lightning
+    # the precision plugin and the monitor are Lightning classes: imported on first use, so the package imports
+    # without Lightning
     if name == "MixedFSDPPrecision":
         from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
         return MixedFSDPPrecision
+    if name == "PrecisionMonitor":  # a Lightning callback, imported on first use as well
+        from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
+
+        return PrecisionMonitor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -59,6 +64,7 @@ __all__ = [
     "MixedFSDPConfig",
     "MixedFSDPConfigError",
     "MixedFSDPPrecision",
+    "PrecisionMonitor",
     "ShardGroup",
     "ShardPlan",
     "clip_grad_norm_",

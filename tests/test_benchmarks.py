@@ -261,3 +261,12 @@ def test_sft_packing_benchmark_packs_fewer_rows_with_less_padding(capsys) -> Non
     assert packed["rows"] < padded["rows"] and packed["padding"] < padded["padding"]
     assert packed["trained_per_row"] > padded["trained_per_row"]
     assert "| packed |" in capsys.readouterr().out
+
+
+def test_precision_monitor_benchmark_times_measured_and_plain_steps(capsys) -> None:
+    from benchmarks import precision_monitor
+
+    result = precision_monitor.main(["--steps", "4", "--dim", "32", "--seq", "16", "--batch", "2"])
+    assert result["measured_s"] > 0 and result["plain_s"] > 0
+    assert result["spread"] == result["extra_s"] / (50 * result["plain_s"])
+    assert "| measured by the monitor |" in capsys.readouterr().out

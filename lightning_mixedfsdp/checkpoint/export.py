@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.gather import Region, full_regions
+from lightning_mixedfsdp.checkpoint.manifest import MANIFEST_KEY
 from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
 from lightning_mixedfsdp.checkpoint.staging import StagedFolder
 from lightning_mixedfsdp.compat.torchao import is_nf4
@@ -130,8 +131,12 @@ def export_model(
         if also_write is not None:
             also_write(folder)
 
+    manifest = plan.keep_fp32_manifest
+    if is_peft_model(model):
+        manifest = {base: rule for name, rule in manifest.items() if (base := peft_base_name(name)) is not None}
+
     def write(folder: Optional[Path], agreement: Agreement) -> None:
-        layout.write(folder, chunk_bytes, agreement)
+        layout.write(folder, chunk_bytes, agreement, {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)})
 
     written = _staged(Path(directory), "export_safetensors", write, finish)
     return written if dist.get_rank() == 0 else None

@@ -3,7 +3,7 @@ the table and unit formatting it and the dry-run planner use. It reads a plan an
 
 import math
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from lightning_mixedfsdp.config import short_dtype
 from lightning_mixedfsdp.planning.types import ShardPlan
@@ -52,10 +52,12 @@ def format_count(count: float) -> str:
     return f"{count:.0f}"
 
 
-def format_plan(plan: ShardPlan) -> str:
-    """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``."""
+def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) -> str:
+    """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``. ``stalled``: the
+    precision monitor's latest share per param (``PrecisionMonitor.shares``), shown per row (the largest of a
+    collapsed row's blocks)."""
     in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
-    param_rows = [
+    param_rows: List[Tuple[str, ...]] = [
         (
             collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
             format_shape(p.shape),
@@ -68,7 +70,14 @@ def format_plan(plan: ShardPlan) -> str:
         )
         for p in plan.params.values()
     ]
-    header = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
+    header: Tuple[str, ...] = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group")
+    header += ("keep-fp32 rule",)
+    if stalled is not None:
+        worst: Dict[str, float] = {}
+        for name, share in stalled.items():
+            worst[collapse_indices(name)] = max(share, worst.get(collapse_indices(name), 0.0))
+        param_rows = [(*row, f"{worst[row[0]]:.0%}" if row[0] in worst else "-") for row in param_rows]
+        header += ("stalled",)
     buffer_rows = [
         (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.set_by) for b in plan.buffers.values()
     ]

@@ -230,6 +230,13 @@ class ShardPlan:
         params = [n for n, p in self.params.items() if p.rule is not None]
         return (*params, *(n for n, b in self.buffers.items() if b.dtype == torch.float32))
 
+    @property
+    def keep_fp32_manifest(self) -> Dict[str, str]:
+        """Every param and buffer a keep-fp32 rule pinned, with the rule (``module:RMSNorm``): what checkpoints and
+        exports record, so a resume under other rules can say what changed."""
+        tensors: List[Any] = [*self.params.values(), *self.buffers.values()]
+        return {t.name: str(t.rule) for t in tensors if t.rule is not None}
+
     def predicted_collectives(self, reshard_after_forward: bool = True, hsdp: bool = False) -> Dict[str, int]:
         """Collectives of one forward+backward with gradient sync, once FSDP is lazily initialised.
 

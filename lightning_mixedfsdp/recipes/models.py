@@ -144,7 +144,10 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         normed = self.attention_norm(x)
-        mixed = self.attention(normed, positions)
+        if positions is None and not isinstance(self.attention, Attention):
+            mixed = self.attention(normed)  # a mixer, or a wrapper of one, needs no positions for whole rows
+        else:
+            mixed = self.attention(normed, positions)
         x = x + mixed
         return x + self.feed_forward(self.ffn_norm(x))
 

@@ -47,6 +47,7 @@ from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, re
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, resolved_format, template_text
 from lightning_mixedfsdp.recipes.stopping import StopRequest
+from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
 
@@ -97,12 +98,20 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
         num_sanity_val_steps=-1,  # the whole held-out set before training: the untrained perplexity
         log_every_n_steps=recipe.trainer.log_every_n_steps,
         logger=build_loggers(recipe.trainer.logger, output),
-        callbacks=[checkpoints],
+        callbacks=[checkpoints, *monitors(recipe)],
         enable_checkpointing=False,  # RunCheckpoints saves
         default_root_dir=output,  # where Lightning's SLURM requeue saves hpc_ckpt_N.ckpt, which resume_from finds
         use_distributed_sampler=False,  # the data module shards its own resumable stream
         enable_model_summary=False,
     )
+
+
+def monitors(recipe: Recipe) -> List[PrecisionMonitor]:
+    """The precision monitor, when ``monitor.every_n_steps`` turns it on."""
+    settings = recipe.monitor
+    if settings.every_n_steps == 0:
+        return []
+    return [PrecisionMonitor(settings.every_n_steps, settings.threshold, settings.patience)]
 
 
 def build_loggers(choice: str, output: Path) -> List[Logger]:

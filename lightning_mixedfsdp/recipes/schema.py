@@ -160,6 +160,18 @@ class OutputSection:
 
 
 @dataclass
+class MonitorSection:
+    every_n_steps: int = 0
+    """Measure which bf16 params' updates round away every N optimizer steps (``PrecisionMonitor``: the shares in the
+    CSV log as ``stalled_share/<param>``, a warning naming a stalled param with the keep-fp32 rule that keeps it, a
+    summary line at the end); 0: off."""
+    threshold: float = 0.5
+    """A param is stalled on a sample when more than this share of its elements with a gradient did not change."""
+    patience: int = 3
+    """Samples in a row a param must be stalled before it is named."""
+
+
+@dataclass
 class Recipe:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     strategy: StrategySection = field(default_factory=StrategySection)
@@ -168,6 +180,7 @@ class Recipe:
     peft: PeftSection = field(default_factory=PeftSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     output: OutputSection = field(default_factory=OutputSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def mixed_fsdp_config(self) -> MixedFSDPConfig:
         return MixedFSDPConfig(**{f.name: getattr(self.strategy, f.name) for f in fields(MixedFSDPConfig)})
@@ -272,6 +285,12 @@ def validate_recipe(recipe: Recipe) -> List[str]:
     if recipe.data.val_windows < 1 or recipe.data.max_bytes < 1:
         problems.append("data.val_windows and data.max_bytes must be >= 1")
     problems += data_choice_problems(recipe.data, recipe.strategy.parallelism.context_parallel_size)
+    monitor = recipe.monitor
+    if monitor.every_n_steps < 0 or not 0 <= monitor.threshold < 1 or monitor.patience < 1:
+        problems.append(
+            f"monitor.every_n_steps={monitor.every_n_steps} (>= 0; 0 is off), monitor.threshold={monitor.threshold}"
+            f" (in [0, 1)) and monitor.patience={monitor.patience} (>= 1): fix the one out of range"
+        )
     if recipe.trainer.logger not in LOGGERS:
         problems.append(f"trainer.logger={recipe.trainer.logger!r}: use one of {', '.join(LOGGERS)}")
     betas = list(recipe.optimizer.betas)

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, recovered, save_atomically
 from lightning_mixedfsdp.checkpoint.export import AlsoWrite, export_adapter, export_model
 from lightning_mixedfsdp.checkpoint.fingerprint import FINGERPRINT_KEY, fingerprint_differences, frozen_fingerprints
+from lightning_mixedfsdp.checkpoint.manifest import MANIFEST_KEY, manifest_differences
 from lightning_mixedfsdp.checkpoint.optimizer_state import (
     ABSENT_STATE_KEY,
     AbsentState,
@@ -60,6 +61,9 @@ class CheckpointingMixin:
         fingerprints = frozen_fingerprints(module) if module is not None else {}
         if fingerprints:
             state = {**state, FINGERPRINT_KEY: fingerprints}
+        manifest = self._manifest(module)
+        if manifest is not None:
+            state = {**state, MANIFEST_KEY: manifest}
         with absent as standing_in:
             to_save = {**state, ABSENT_STATE_KEY: standing_in} if standing_in else state
             single_file = not self._save_distributed_checkpoint
@@ -93,7 +97,39 @@ class CheckpointingMixin:
         saved = loaded.pop(FINGERPRINT_KEY, None)
         if saved is not None and module is not None:
             self._check_frozen_base(path, saved, frozen_fingerprints(module), strict)
+        saved_manifest, manifest = loaded.pop(MANIFEST_KEY, None), self._manifest(module)
+        if saved_manifest is not None and manifest is not None:
+            self._check_manifest(path, saved_manifest, manifest)
         return loaded
+
+    def _manifest(self, module: Optional[nn.Module]) -> Optional[Dict[str, str]]:
+        """The keep-fp32 manifest of ``module``'s plan, or of its children's (a LightningModule, whose children the
+        Trainer strategy shards one by one), names prefixed; None when this strategy planned none of them."""
+        if module is None:
+            return None
+        try:
+            return self.plan_of(module).keep_fp32_manifest
+        except KeyError:
+            pass
+        manifest: Dict[str, str] = {}
+        planned = False
+        for prefix, child in module.named_children():
+            try:
+                manifest.update({f"{prefix}.{n}": rule for n, rule in self.plan_of(child).keep_fp32_manifest.items()})
+                planned = True
+            except KeyError:
+                continue
+        return manifest if planned else None
+
+    def _check_manifest(self, path: Path, saved: Dict[str, str], current: Dict[str, str]) -> None:
+        differences = manifest_differences(saved, current)
+        if differences and self.global_rank == 0:
+            warnings.warn(
+                f"{type(self).__name__}: the keep-fp32 rules pin another set of tensors than when the checkpoint"
+                f" {str(path)!r} was saved ({'; '.join(differences)}). Tensors it trained in fp32 and now plans in"
+                " bf16 lose their low bits; set dtypes.keep_fp32_params/keep_fp32_modules as they were to keep them.",
+                stacklevel=3,
+            )
 
     def _check_frozen_base(self, path: Path, saved: Dict[str, str], current: Dict[str, str], strict: bool) -> None:
         problems = fingerprint_differences(saved, current)

@@ -30,7 +30,7 @@ class IntakeMixin:
     _accelerator: Any
     root_device: torch.device  # provided by Lightning's strategies
 
-    def _take_settings(
+    def _intake(
         self,
         config: ConfigInput,
         options: Dict[str, Any],
@@ -49,6 +49,10 @@ class IntakeMixin:
             process_group_backend_for("cuda", process_group_backend, self._host_collectives, owner)
         self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
         self._replicate_size = replicate
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """The state the strategy's hooks fill in later (meshes, set-up models, watched optimizers)."""
 
     @property
     def _host_collectives(self) -> bool:

@@ -4,7 +4,7 @@ the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``);
 are ``checkpointing.py``'s, the work itself lives in the rooms below."""
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 from weakref import WeakSet
 
 import torch
@@ -18,7 +18,7 @@ from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, Para
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
-from lightning_mixedfsdp.strategies.intake import ConfigInput, IntakeMixin
+from lightning_mixedfsdp.strategies.intake import IntakeMixin
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
@@ -50,18 +50,8 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     world_size: int
     root_device: torch.device
 
-    def _intake(
-        self,
-        config: ConfigInput,
-        options: Dict[str, Any],
-        data_parallel: Any,
-        replicate: int,
-        tensor_parallel: Any,
-        process_group_backend: Optional[str],
-    ) -> None:
-        """Before Lightning's ``__init__``: the settings, refused here once when they cannot run
-        (:class:`IntakeMixin`), and the state the hooks fill in."""
-        self._take_settings(config, options, data_parallel, replicate, tensor_parallel, process_group_backend)
+    def _reset_state(self) -> None:
+        """Called by :meth:`IntakeMixin._intake`, before Lightning's ``__init__``."""
         self._meshes = None
         self._context_parallel: Optional[ContextParallel] = None
         self._sharded = ShardedModels()

@@ -148,3 +148,22 @@ def test_each_shipped_recipe_loads_and_starts_with_its_launch_command(recipe_fil
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_an_unknown_logger_is_refused_with_the_choices() -> None:
+    with pytest.raises(RecipeError, match=r"trainer.logger='mlflow': use one of csv, tensorboard, wandb"):
+        load_recipe(None, ["trainer.logger=mlflow"], launching=False)
+
+
+def test_a_logger_whose_package_is_missing_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else found(name, *a))
+    with pytest.raises(RecipeError, match=r"trainer.logger='wandb' needs the wandb package: pip install wandb"):
+        load_recipe(None, ["trainer.logger=wandb"])
+
+
+def test_a_context_parallel_sequence_length_must_split_into_its_chunks() -> None:
+    with pytest.raises(RecipeError, match=r"data.seq_len=102 must divide into 2 x .*context_parallel_size = 4 chunks"):
+        load_recipe(None, ["strategy.parallelism.context_parallel_size=2", "data.seq_len=102"], launching=False)

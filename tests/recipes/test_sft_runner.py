@@ -2,8 +2,9 @@
 processes), at tiny sizes: the main job's export fine-tuned on the generated chat data by
 ``conf/stdlib_llama_sft.yaml`` (the held-out loss on the trained tokens falls, an answer is generated from the
 export, the export's tokenizer renders chats as training did, and a run resumed from its middle checkpoint repeats
-the uninterrupted losses bit for bit); and the HF recipes (``sft_local_dir*.yaml``) on a local model with a ChatML
-tokenizer: chat with LoRA, chat with QLoRA, prompt/completion pairs in full, one per row."""
+the uninterrupted losses bit for bit; the precision monitor's recipe key logs its shares); and the HF recipes
+(``sft_local_dir*.yaml``) on a local model with a ChatML tokenizer: chat with LoRA, chat with QLoRA,
+prompt/completion pairs in full, one per row."""
 
 import json
 import re
@@ -35,12 +36,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     main, whole, resumed = root / "main", root / "whole", root / "resumed"
     train(*MAIN, f"output.dir={main}")
     out: Dict[str, Any] = {"whole": whole, "export": main / "export"}
-    out["whole_out"] = train(*SFT, f"model.pretrained={main / 'export'}", f"output.dir={whole}")
+    out["whole_out"] = train(
+        *SFT, f"model.pretrained={main / 'export'}", f"output.dir={whole}", "monitor.every_n_steps=2"
+    )
     # the run as it stood at step 4, resumed from there
     shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("last.ckpt", "step=8.ckpt", "export"))
     shutil.rmtree(resumed / "logs")
     out["resumed_out"] = train(*SFT, f"model.pretrained={main / 'export'}", f"output.dir={resumed}", "--resume", "last")
-    out["whole_losses"] = read_metrics(whole / "logs")["train_loss"]
+    out["whole_metrics"] = read_metrics(whole / "logs")
+    out["whole_losses"] = out["whole_metrics"]["train_loss"]
     out["resumed_losses"] = read_metrics(resumed / "logs")["train_loss"]
     return out
 
@@ -116,3 +120,10 @@ def test_the_hf_fine_tuning_recipes_train_on_a_local_model(
     assert "export's answer: " in out
     assert (tmp_path / "export" / "model.safetensors").is_file()
     assert (tmp_path / "adapter").is_dir() == ("lora" in recipe)
+
+
+def test_the_precision_monitor_recipe_key_logs_shares_and_a_summary_line(runs: Dict[str, Any]) -> None:
+    shares = runs["whole_metrics"]["stalled_share/model.output.weight"]
+    assert sorted(shares) == [0, 2, 4, 6] and all(0 <= share <= 1 for share in shares.values())
+    assert "stalled_share/model.layers.0.attention_norm.weight" not in runs["whole_metrics"]  # kept fp32: not measured
+    assert re.search(r"precision monitor: 4 samples, \d+ bf16 params measured, \d+ kept fp32", runs["whole_out"])
