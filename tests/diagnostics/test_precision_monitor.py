@@ -45,7 +45,8 @@ def _train(model: nn.Module, fabric: Any, monitor: Any, lrs: Dict[str, float], l
         with monitor.around_step(model, optimizer, step):
             optimizer.step()
         optimizer.zero_grad()
-    return {"named": monitor.named, "metrics": monitor.metrics, "samples": monitor.samples}
+    report = monitor.report(fabric.strategy.plan_of(model))
+    return {"named": monitor.named, "metrics": monitor.metrics, "samples": monitor.samples, "report": report}
 
 
 def _monitored(world: int, model: nn.Module, lrs: Dict[str, float], **options: Any) -> Dict[str, Any]:
@@ -289,3 +290,11 @@ def test_a_recipes_monitor_settings_out_of_range_are_refused() -> None:
 
     with pytest.raises(RecipeError, match=r"monitor.every_n_steps=-1 \(>= 0; 0 is off\).*fix the one out of range"):
         load_recipe(None, ["monitor.every_n_steps=-1"], launching=False)
+
+
+def test_the_dtype_report_shows_the_latest_shares(results: list) -> None:
+    report = results[0]["near_7"]["report"]
+    header = next(line for line in report.splitlines() if line.startswith("parameter"))
+    assert header.rstrip().endswith("stalled")
+    row = next(line for line in report.splitlines() if line.startswith("model.norm.weight "))
+    assert row.rstrip().endswith("100%")
