@@ -2,9 +2,10 @@
 configs with their fp32 norms, ``32-true`` and ``bf16-true``, on CP 2 (2 ranks) and shard 2 x CP 2 (4 ranks); three
 AdamW steps on batches whose first third is labelled -100. Losses and every param's grad (full tensors) equal within
 fp32 rounding under ``32-true``, within bf16's own distance from fp32 under ``bf16-true``. Attention left local fails
-the comparison (the check can fail). Composed with activation checkpointing and HSDP; a checkpoint saved with CP 2
-loads without it and the reverse; every refusal."""
+the comparison (the check can fail). Composed with activation checkpointing, HSDP and emulated float8; a checkpoint
+saved with CP 2 loads without it and the reverse; every refusal."""
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -18,6 +19,8 @@ from tests.hf_models import tiny_model
 from tests.scenarios import full_grads, full_params, make_fabric
 
 SEQ, ROWS, VOCAB, STEPS = 32, 2, 64, 3
+FLOAT8 = dict(float8="tensorwise", float8_emulate=True, float8_skip_small=False)
+FLOAT8_AVAILABLE = importlib.util.find_spec("torchao") is not None
 MODELS, FLAGS = ("llama", "qwen3"), ("32-true", "bf16-true")
 
 
@@ -65,6 +68,8 @@ def _two_ranks(rank: int, world: int, folder: str) -> Dict[str, Any]:
         for flag in FLAGS:
             out[model, flag] = _run(world, flag, model, 1, context_parallel_size=2)
     out["ac"] = _run(world, "32-true", "llama", 1, context_parallel_size=2, activation_checkpointing="full")
+    if FLOAT8_AVAILABLE:
+        out["float8"] = _run(world, "bf16-true", "llama", 1, context_parallel_size=2, **FLOAT8)
     # attention left local: each rank attends only to its own part of the sequence
     routed = torch.nn.functional.scaled_dot_product_attention
     torch.nn.functional.scaled_dot_product_attention = context_parallel._original_sdpa
@@ -151,7 +156,10 @@ def reference() -> Dict[Any, Any]:
 
 
 def _reference_one(rank: int, world: int) -> Dict[Any, Any]:
-    return {(model, flag): _run(1, flag, model, 1) for model in MODELS for flag in FLAGS}
+    out = {(model, flag): _run(1, flag, model, 1) for model in MODELS for flag in FLAGS}
+    if FLOAT8_AVAILABLE:
+        out["llama", "float8"] = _run(1, "bf16-true", "llama", 1, **FLOAT8)
+    return out
 
 
 def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -197,6 +205,14 @@ def test_attention_left_local_is_far_off(results: list, reference: Dict) -> None
     expected = reference["llama", "32-true"]["grads"]
     worst = max(_relative(results[0]["local"]["grads"][n], g) for n, g in expected.items())
     assert worst > 0.05  # the comparison above catches a ring that does not run
+
+
+@pytest.mark.skipif(not FLOAT8_AVAILABLE, reason="float8 needs torchao (pip install 'lightning-mixedfsdp[float8]')")
+def test_cp_composes_with_float8(results: list, reference: Dict) -> None:
+    """Emulated float8 scales activations over the tokens a rank holds: within 3x float8's own distance from bf16."""
+    for result in results:
+        _assert_within_bf16(result["float8"], reference["llama", "float8"], reference["llama", "bf16-true"])
+        assert result["float8"]["losses"] != result["llama", "bf16-true"]["losses"]  # float8 scaling really ran
 
 
 def test_cp_composes_with_activation_checkpointing(results: list, reference: Dict) -> None:
