@@ -19,17 +19,10 @@ from typing import Any, Dict, List
 
 import torch
 
+from benchmarks.meta_memory import _reset_peak, _status
 from lightning_mixedfsdp.testing import run_distributed
 
 DIMS = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, hidden_dim=384)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _step_growth(fabric: Any, model: Any, optimizer: Any, tokens: torch.Tensor) -> Dict[str, float]:
@@ -40,9 +33,7 @@ def _step_growth(fabric: Any, model: Any, optimizer: Any, tokens: torch.Tensor) 
 
     context = fabric.strategy.context_parallel
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    before = _status("VmRSS:")
+    before = _reset_peak()
     started = time.perf_counter()
     labels = shifted_labels(tokens)
     positions = torch.arange(tokens.shape[1])

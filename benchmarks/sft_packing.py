@@ -23,9 +23,10 @@ DIMS = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, hidden_dim=384, mixe
 def _rows(seq_len: int, packed: bool) -> Any:
     from lightning_mixedfsdp.recipes.data import ByteTokenizer
     from lightning_mixedfsdp.recipes.schema import DataSection
-    from lightning_mixedfsdp.recipes.sft_data import fine_tuning_examples, packed_rows, padded_rows
+    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, fine_tuning_examples, packed_rows, padded_rows
 
-    splits = fine_tuning_examples(DataSection(format="chat", seq_len=seq_len), "chat", ByteTokenizer())
+    data = DataSection(format="chat", seq_len=seq_len)
+    splits = fine_tuning_examples(data, ExampleMaker(data, "chat", ByteTokenizer()))
     return (packed_rows if packed else padded_rows)(splits.train, seq_len, 0)
 
 

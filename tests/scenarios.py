@@ -143,6 +143,26 @@ def train_hf_steps(
     return losses
 
 
+def clipped_hf_steps(
+    fabric: Any, model: nn.Module, rank: int, steps: range, optimizer: Any = None, world: int = 2, vocab: int = 128
+) -> Dict[str, Any]:
+    """HF causal-LM steps ``steps`` on this rank's slice of the test batches, clipped to norm 1, with AdamW over the
+    trainable params unless ``optimizer`` is given; the per-step local losses and the optimizer."""
+    if optimizer is None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-3))
+    losses = []
+    for step in steps:
+        tokens = rank_slice(global_batch(world, step, vocab=vocab), rank, world)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "optimizer": optimizer}
+
+
 def full_grads(model: nn.Module) -> Dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 

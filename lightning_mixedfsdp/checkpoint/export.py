@@ -367,25 +367,15 @@ def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_P
     return out
 
 
+def _whole_weight(weight: Tensor) -> Tensor:
+    """A (small) weight gathered whole on every rank."""
+    return _whole(_Pending("adapter", weight.shape, weight.dtype, partial(full_regions, weight.detach())))
+
+
 def _merged_regions(pending: _Pending, module: Any, adapter: str, region_bytes: int) -> Iterator[Region]:
     """peft's merge of one ``lora.Linear`` (``get_delta_weight`` and ``merge``, peft 0.21), region by region of the
     base weight: the adapter's A and B are gathered whole (rank x features), the delta of each region from them."""
-    lora_a = _whole(
-        _Pending(
-            "a",
-            module.lora_A[adapter].weight.shape,
-            module.lora_A[adapter].weight.dtype,
-            partial(full_regions, module.lora_A[adapter].weight.detach()),
-        )
-    )
-    lora_b = _whole(
-        _Pending(
-            "b",
-            module.lora_B[adapter].weight.shape,
-            module.lora_B[adapter].weight.dtype,
-            partial(full_regions, module.lora_B[adapter].weight.detach()),
-        )
-    )
+    lora_a, lora_b = _whole_weight(module.lora_A[adapter].weight), _whole_weight(module.lora_B[adapter].weight)
     on_cpu_narrow = lora_b.device.type == "cpu" and lora_b.dtype in (torch.float16, torch.bfloat16)
     a, b = (lora_a.float(), lora_b.float()) if on_cpu_narrow else (lora_a, lora_b)
     for dim, start, stop, value in pending.regions(region_bytes):

@@ -108,11 +108,11 @@ class StalledUpdates:
         self._before = None
         numel = torch.tensor([float(local_tensor(p.detach()).numel()) for _, p in self.params], dtype=torch.float64)
         counts, numel = _summed(counts, numel)
-        return [self._share(index, name, param, counts[index], numel[index]) for index, (name, param) in
+        return [self._share(name, param, counts[index], numel[index]) for index, (name, param) in
                 enumerate(self.params) if counts[index, 1] > 0]  # fmt: skip
 
     @staticmethod
-    def _share(index: int, name: str, param: Tensor, row: Tensor, numel: Tensor) -> StalledShare:
+    def _share(name: str, param: Tensor, row: Tensor, numel: Tensor) -> StalledShare:
         stalled, eligible, total, largest, smallest, update = row.tolist()
         return StalledShare(
             name=name,

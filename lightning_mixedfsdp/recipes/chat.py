@@ -61,9 +61,12 @@ class ChatFormat:
     """Trained spans end after this text's last occurrence (None: the whole span the turn adds is trained)."""
 
 
-def byte_chat_format(encode: Encode) -> ChatFormat:
-    """The reference model's: :data:`BYTE_CHAT_TEMPLATE` rendered by HF's own Jinja renderer."""
-    return ChatFormat(_jinja_renderer(BYTE_CHAT_TEMPLATE, {}), encode, BYTE_END_OF_TURN)
+def byte_chat_format(encode: Encode, template: Optional[str] = None) -> ChatFormat:
+    """The reference model's: :data:`BYTE_CHAT_TEMPLATE` (or ``template``, whose turns' end marker is then unknown:
+    the whole span a turn adds is trained) rendered by Jinja's sandbox, as transformers renders templates."""
+    if template is not None:
+        return ChatFormat(_jinja_renderer(template), encode, None)
+    return ChatFormat(_jinja_renderer(BYTE_CHAT_TEMPLATE), encode, BYTE_END_OF_TURN)
 
 
 def hf_chat_format(tokenizer: Any, template: Optional[str] = None) -> ChatFormat:
@@ -87,13 +90,13 @@ def hf_chat_format(tokenizer: Any, template: Optional[str] = None) -> ChatFormat
     return ChatFormat(render, encode, tokenizer.eos_token)
 
 
-def _jinja_renderer(template: str, variables: Dict[str, Any]) -> Render:
+def _jinja_renderer(template: str) -> Render:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     compiled = ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=False).from_string(template)
 
     def render(messages: Sequence[Dict[str, str]], add_generation_prompt: bool) -> str:
-        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
 
     return render
 

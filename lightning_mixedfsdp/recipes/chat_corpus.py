@@ -30,16 +30,18 @@ class ChatCorpus(TextCorpus):
     def __init__(self, data: DataSection, seed: int, micro_batches: int, accumulate: int, packed: bool) -> None:
         super().__init__(data, seed, micro_batches)
         self.format, self.accumulate, self.packed = resolved_format(data), accumulate, packed
+        self.maker = ExampleMaker(data, self.format, self.tokenizer)
+        """Records to examples: this run's format, tokenizer and template (the answer at the end uses it too)."""
         self.train_rows: Optional[Rows] = None
         self.held_out_rows: Optional[Rows] = None
 
     @override
     def setup(self, stage: str) -> None:
         data = self.data
-        splits = fine_tuning_examples(data, self.format, self.tokenizer)
+        splits = fine_tuning_examples(data, self.maker)
         if splits.problems or not splits.train or not splits.held_out:  # the launcher checked the same before
             raise ValueError("; ".join(splits.problems) or "data: no examples to train or evaluate on")
-        pad = ExampleMaker(data, self.format, self.tokenizer).pad
+        pad = self.maker.pad
         make = packed_rows if self.packed else padded_rows
         self.train_rows, self.held_out_rows = (
             make(splits.train, data.seq_len, pad),

@@ -214,15 +214,13 @@ def summary(outcome: Outcome, fine_tuned: bool) -> str:
 def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
     """The first held-out question answered by the export, beside the answer the data gives."""
     from lightning_mixedfsdp.recipes.generate import generate_answer, held_out_question
-    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker
 
     found = held_out_question(recipe.data, datamodule.format)
     if found is None:
         return
     prompt, expected = found
-    maker = ExampleMaker(recipe.data, datamodule.format, datamodule.tokenizer)
     reference = reference_model_config(recipe.model) is not None
-    answer = generate_answer(run_folder(recipe).export, prompt, maker, trust_remote_code=reference)
+    answer = generate_answer(run_folder(recipe).export, prompt, datamodule.maker, trust_remote_code=reference)
     question = prompt[-1]["content"] if isinstance(prompt, list) else prompt
     rank_zero_info(f"held-out question: {question}\nexport's answer:   {answer}\nthe data's answer: {expected}")
 

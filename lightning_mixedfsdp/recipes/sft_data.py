@@ -116,7 +116,7 @@ class ExampleMaker:
             self.encode = lambda text: list(text.encode("utf-8"))
             self.decode = lambda ids, skip_special_tokens=False: bytes(ids).decode("utf-8", errors="replace")
             self.end, self.pad = self.encode(BYTE_END_OF_TURN), 0
-            self._chat = lambda: _byte_chat(self.encode, template)
+            self._chat = lambda: byte_chat_format(self.encode, template)
         self.chat: Optional[ChatFormat] = None
 
     def __call__(self, record: Any) -> Example:
@@ -148,14 +148,6 @@ class ExampleMaker:
         return self.chat
 
 
-def _byte_chat(encode: Any, template: Optional[str]) -> ChatFormat:
-    if template is None:
-        return byte_chat_format(encode)
-    from lightning_mixedfsdp.recipes.chat import _jinja_renderer
-
-    return ChatFormat(_jinja_renderer(template, {}), encode, None)
-
-
 def template_text(value: Optional[str]) -> Optional[str]:
     if value is not None and "{" not in value and Path(value).is_file():
         return Path(value).read_text(encoding="utf-8")
@@ -175,14 +167,13 @@ class ExampleSplits:
     """Examples left out: too long under ``drop``, or with no trained token left after truncation."""
 
 
-def fine_tuning_examples(data: DataSection, fine_tuning_format: str, tokenizer: Any) -> ExampleSplits:
+def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplits:
     """Every record made an example and fitted to ``seq_len`` (``data.too_long``); every ``held_out_every``-th held
     out, starting with the first; each split read until it holds ``max_bytes`` of token ids. Every bad record is a
     problem (the first :data:`MAX_LISTED` listed, the rest counted)."""
-    maker = ExampleMaker(data, fine_tuning_format, tokenizer)
     splits = ExampleSplits([], [], [])
     sizes, bad = [0, 0], 0
-    for index, (where, record) in enumerate(read_records(data, fine_tuning_format)):
+    for index, (where, record) in enumerate(read_records(data, maker.format)):
         split = 1 if index % data.held_out_every == 0 else 0
         if sizes[split] >= data.max_bytes:
             if min(sizes) >= data.max_bytes:
@@ -227,9 +218,7 @@ def fine_tuning_problems(data: DataSection, ranks: int, packed: bool) -> List[st
     row per data-parallel rank (``packed``: as the run packs them)."""
     from lightning_mixedfsdp.recipes.data import make_tokenizer
 
-    fine_tuning_format = resolved_format(data)
-    tokenizer = make_tokenizer(data.tokenizer)
-    splits = fine_tuning_examples(data, fine_tuning_format, tokenizer)
+    splits = fine_tuning_examples(data, ExampleMaker(data, resolved_format(data), make_tokenizer(data.tokenizer)))
     problems = list(splits.problems)
     if splits.too_long and data.too_long == "error":
         problems.append(

@@ -3,6 +3,7 @@ configs whose dims suit float8. Exactly the attention and MLP projections train 
 norm); losses stay within a stated tolerance of the same run in bf16; a DCP round trip resumes to equal losses; the
 export loads with from_pretrained; activation checkpointing and compile compose."""
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -12,7 +13,7 @@ import torch
 from lightning_mixedfsdp.testing import run_distributed
 from tests.conftest import Launch
 from tests.hf_models import tiny_model
-from tests.scenarios import global_batch, make_fabric, rank_slice, unwrap
+from tests.scenarios import clipped_hf_steps, global_batch, make_fabric, unwrap
 
 pytest.importorskip("torchao", reason="float8 needs torchao (pip install 'lightning-mixedfsdp[float8]')")
 
@@ -38,20 +39,7 @@ def _strategy(**fields: Any) -> Any:
     return MixedFSDP2Strategy(**fields)
 
 
-def _train(
-    fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None, world: int = WORLD
-) -> Dict[str, Any]:
-    optimizer = optimizer or fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    losses = []
-    for step in steps:
-        tokens = rank_slice(global_batch(world, step, vocab=VOCAB), rank, world)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "optimizer": optimizer}
+_train = partial(clipped_hf_steps, world=WORLD, vocab=VOCAB)
 
 
 def _float8_layers(model: torch.nn.Module) -> List[str]:

@@ -2,6 +2,7 @@
 config, under bf16-true and bf16-mixed, against the same LoRA on the bf16 base; CPU offload; meta init and a
 pretrained load that quantize each rank's rows; a DCP round trip; the merged export."""
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -11,7 +12,7 @@ import torch
 from lightning_mixedfsdp.testing import run_distributed
 from tests.conftest import Launch
 from tests.hf_models import tiny_model
-from tests.scenarios import global_batch, make_fabric, rank_slice, unwrap
+from tests.scenarios import clipped_hf_steps, global_batch, make_fabric, unwrap
 
 pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install 'lightning-mixedfsdp[qlora]')")
 
@@ -51,22 +52,7 @@ def _strategy(**fields: Any) -> Any:
     return MixedFSDP2Strategy(**fields)
 
 
-def _train(
-    fabric: Any, model: torch.nn.Module, rank: int, steps: range, optimizer: Any = None, world: int = WORLD
-) -> Dict[str, Any]:
-    if optimizer is None:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(trainable, lr=1e-3))
-    losses = []
-    for step in steps:
-        tokens = rank_slice(global_batch(world, step, vocab=VOCAB), rank, world)
-        loss = model(input_ids=tokens, labels=tokens).loss
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "optimizer": optimizer}
+_train = partial(clipped_hf_steps, world=WORLD, vocab=VOCAB)
 
 
 def _layout(model: torch.nn.Module) -> Dict[str, Any]:
