@@ -33,7 +33,10 @@ import torch
 from benchmarks.meta_memory import CONFIG, _reset_peak, _status, llama_config
 
 MODES = ("rank_zero", "own_parts")
-EXPORTS = ("gathered", "streamed")
+EXPORTS = ("gathered", "streamed", "streamed_16MiB")
+"""``streamed``: ``weights.export_chunk_bytes`` at its default (256 MiB, more than any tensor here: each gathered
+whole); ``streamed_16MiB``: 16 MiB, so the embedding and head are gathered in regions."""
+SMALL_CHUNK_BYTES = 16 * 2**20
 EXPORT_SHARD_BYTES = 64 * 2**20
 SIZES = {
     "245m": {},  # meta_memory.CONFIG as it is
@@ -124,8 +127,15 @@ def measure(load_from: str, repeats: int, quantize_base: Any = None) -> Dict[str
             fabric.barrier()
             libc.malloc_trim(0)
             start_rss, start_written, start = _reset_peak(), _io_bytes("write_bytes"), time.perf_counter()
-            if kind == "streamed":
-                fabric.strategy.export_safetensors(model, target, torch.bfloat16, max_shard_bytes=EXPORT_SHARD_BYTES)
+            if kind.startswith("streamed"):
+                weights = fabric.strategy.config.weights
+                default = weights.export_chunk_bytes
+                weights.export_chunk_bytes = SMALL_CHUNK_BYTES if kind == "streamed_16MiB" else default
+                try:
+                    export = fabric.strategy.export_safetensors
+                    export(model, target, torch.bfloat16, max_shard_bytes=EXPORT_SHARD_BYTES)
+                finally:
+                    weights.export_chunk_bytes = default
             else:
                 _export_gathered(model, target, plan)
             os.sync()  # the page cache written back, so write_bytes counts the export's own bytes

@@ -188,9 +188,11 @@ def test_io_benchmark_measures_both_load_and_both_export_paths(tmp_path) -> None
     assert measured.returncode == 0, measured.stderr[-3000:]
     assert "| load | rank_zero | 0 |" in measured.stdout and "| load | own_parts | 1 |" in measured.stdout
     assert "| export | gathered | 0 |" in measured.stdout and "| export | streamed | 1 |" in measured.stdout
-    # both export paths wrote the same tensors
-    gathered, streamed = (read_state_dict(tmp_path / f"copy-export-{kind}") for kind in io_per_rank.EXPORTS)
-    assert gathered.keys() == streamed.keys() and all(torch.equal(gathered[n], streamed[n]) for n in gathered)
+    assert "| export | streamed_16MiB | 0 |" in measured.stdout
+    # every export path wrote the same tensors
+    gathered, *streamed = (read_state_dict(tmp_path / f"copy-export-{kind}") for kind in io_per_rank.EXPORTS)
+    for other in streamed:
+        assert gathered.keys() == other.keys() and all(torch.equal(gathered[n], other[n]) for n in gathered)
     assert meta_memory.CONFIG["hidden_size"] == 1024  # the subprocess's tiny config stayed there
 
 
