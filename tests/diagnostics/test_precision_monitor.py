@@ -3,7 +3,8 @@ near 7 (AdamW at 1e-3: every update rounds away) is named with the rule, and nam
 fp32; a default bf16-true Llama at lr 1e-3 raises no false alarm; one weight frozen by a tiny learning rate of its own
 is named, the same weight at a large one is not; on params whose updates the test sets (SGD on a fixed gradient), the
 shares on 2 ranks equal those in one process, sharded and replicated params alike; the Trainer's callback logs the
-shares and names the same param; the keep-fp32 manifest rides with checkpoints and exports, and a resume under other
+shares and names the same param; names stay the model's through activation checkpointing and compile; under peft
+LoRA only the adapters are measured; the keep-fp32 manifest rides with checkpoints and exports, and a resume under other
 rules warns with the difference."""
 
 import re
@@ -89,10 +90,26 @@ def _scenarios(rank: int, world: int, folder: str) -> Dict[str, Any]:
     for name, lr in (("tiny_lr", 1e-7), ("large_lr", 1e-2)):
         torch.manual_seed(0)
         out[name] = _monitored(world, tiny_model("llama"), {weight: lr})
+    torch.manual_seed(0)
+    out["wrapped"] = _monitored(
+        world, _llama_with_norm_at(7.0), {}, keep_fp32_modules=[], activation_checkpointing="full", compile=True
+    )
+    out["lora"] = _lora(world)
     out["set_updates"] = _set_updates(rank, world)
     out["trainer"] = _trainer(Path(folder))
     out["manifest"] = _manifest(world, Path(folder))
     return out
+
+
+def _lora(world: int) -> Dict[str, Any]:
+    """peft LoRA on a frozen bf16 Llama: only the adapters are trainable, so only they are measured."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainable = sorted(name for name, p in model.named_parameters() if p.requires_grad)
+    out = _monitored(world, model, {})
+    return {**out, "trainable": len(trainable)}
 
 
 def _c(count: int) -> torch.Tensor:
@@ -298,3 +315,17 @@ def test_the_dtype_report_shows_the_latest_shares(results: list) -> None:
     assert header.rstrip().endswith("stalled")
     row = next(line for line in report.splitlines() if line.startswith("model.norm.weight "))
     assert row.rstrip().endswith("100%")
+
+
+def test_through_activation_checkpointing_and_compile_the_names_are_the_models(results: list) -> None:
+    wrapped = results[0]["wrapped"]
+    assert wrapped["named"]["model.norm.weight"] == r"^model\.norm\.weight$"
+    assert wrapped["metrics"] and not any("_wrapped" in k or "_orig_mod" in k for k in wrapped["metrics"])
+    assert wrapped["metrics"].keys() == results[0]["near_7"]["metrics"].keys()
+
+
+def test_under_peft_lora_only_the_adapters_are_measured(results: list) -> None:
+    lora = results[0]["lora"]
+    assert len(lora["metrics"]) == lora["trainable"] == 8  # A and B of q and v in 2 layers
+    assert all(".lora_A." in k or ".lora_B." in k for k in lora["metrics"])
+    assert lora["named"] == {}
