@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
-from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
+from lightning_mixedfsdp.apply.context_parallel import ContextParallel, context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
@@ -52,10 +52,12 @@ def shard_model(
     device: torch.device,
     parallelize: Optional[ParallelizeFn] = None,
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
+    context_parallel: Optional[ContextParallel] = None,
 ) -> ShardedModel:
     """Plan, apply, materialise, sync and check ``module``; ``config`` is validated already. Every data-parallel rank
     calls it with the same model. ``cross_replica_reduce`` averages every gradient across fault-tolerant replica
-    groups, after its reduction within the group."""
+    groups, after its reduction within the group. ``context_parallel``: the run's one context parallelism (the
+    strategy's; made from ``meshes`` when not given)."""
     if module in _SET_UP:
         raise RuntimeError(
             f"mixed_fsdp2: this {user_class_name(module)} is already set up (sharded, with hooks installed); a second"
@@ -72,7 +74,9 @@ def shard_model(
     if config.diagnostics.print_report:
         _on_rank_zero(lambda: log.info(format_plan(plan)))
     options = ApplyOptions.of(config)
-    module, applied = apply_plan(module, plan, meshes, device, parallelize or _identity, options, cross_replica_reduce)
+    module, applied = apply_plan(
+        module, plan, meshes, device, parallelize or _identity, options, cross_replica_reduce, context_parallel
+    )
     if applied is None and cross_replica_reduce is not None:
         raise ValueError(
             "mixed_fsdp2: fault_tolerance reduces every gradient across replica groups through the dtype plan's FSDP"

@@ -19,6 +19,7 @@ from lightning_mixedfsdp.apply.context_parallel import (
     ContextParallel,
     apply_context_parallel,
     apply_ring_attention_span,
+    attention_modules,
 )
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce, apply_cross_replica_reduction
 from lightning_mixedfsdp.apply.experts import apply_expert_parallel, set_expert_reduction
@@ -79,12 +80,14 @@ def apply_plan(
     parallelize: Callable[[nn.Module, Any], nn.Module],
     options: Optional[ApplyOptions] = None,
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
+    context_parallel: Optional[ContextParallel] = None,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says, with the config's ``options`` (resharding, activation checkpointing, compile,
     offload, emulated float8). Returns the (possibly new) model and the applied plan, or None for the plan when the
     model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize`` shards it
     itself. ``cross_replica_reduce``: every gradient is also averaged across fault-tolerant replica groups by it,
-    after its reduction within the group."""
+    after its reduction within the group. ``context_parallel``: the run's context parallelism (one per run, the
+    strategy's), made here from ``meshes`` when not given."""
     options = options or ApplyOptions()
     if _already_sharded(model):
         return model, None
@@ -119,9 +122,11 @@ def apply_plan(
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     if meshes.context_parallel is not None:
-        handles.extend(apply_ring_attention_span(model, tracker))
+        context = context_parallel or ContextParallel(
+            meshes.context_parallel, options.parallelism.context_parallel_rotate
+        )
+        handles.extend(apply_ring_attention_span(model, tracker, context, attention_modules(model)))
         if is_hf_model(model) or is_peft_model(model):
-            context = ContextParallel(meshes.context_parallel, options.parallelism.context_parallel_rotate)
             handles.extend(apply_context_parallel(model, context))
     if cross_replica_reduce is not None:
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)

@@ -311,21 +311,59 @@ def group_backend_for(group: Any, device_type: str) -> Optional[str]:
 # parallelism too. Layout: head-tail load balancing (rank r holds chunks r and 2cp-1-r of 2cp), as torch's
 # _HeadTailLoadBalancer; torch's ring then skips the causal blocks a rank does not need.
 
-_SEQ_DIM = 2  # (batch, heads, sequence, head dim)
+ATTENTION_SEQUENCE_DIM = 2
+"""The sequence dim of scaled-dot-product attention's query, key and value: (batch, heads, sequence, head dim)."""
 
 
-def register_ring_attention(rotate_method: str) -> None:
+def register_ring_attention() -> None:
     """Route scaled-dot-product attention on sequence-sharded DTensors to torch's ring attention, causal with
-    head-tail load balancing, the key/value parts moved by ``rotate_method`` (``"allgather"`` or ``"alltoall"``).
-    Stays on for the process; attention on plain tensors is untouched."""
+    head-tail load balancing. Stays on for the process; attention on plain tensors is untouched."""
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     aten = torch.ops.aten
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = _cpu_ring_handler
     _attention.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = _cpu_ring_handler
     _attention._cp_options.enable_load_balance = True
-    _attention.set_rotate_method(rotate_method)
     _attention._enable_cp_dtensor_dispatcher()
+
+
+def set_ring_rotate_method(rotate_method: str) -> None:
+    """How the ring moves the key/value parts (``"allgather"`` or ``"alltoall"``) from the next attention call on: a
+    process-wide setting of torch's, so each context-parallel pass sets its own before it runs."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    _attention.set_rotate_method(rotate_method)
+
+
+def backward_keeping_modes(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: Optional[bool] = None,
+    create_graph: bool = False,
+    inputs: Any = None,
+) -> None:
+    """``torch.autograd.backward``'s body below its torch-function check, for a torch-function mode that handles
+    ``Tensor.backward`` itself: torch takes a mode off the stack while it handles a call, and the autograd engine runs
+    the whole backward (activation checkpointing's recompute included) with the thread-local state of its start, so
+    the mode puts itself back and starts the engine here. Private: ``torch.autograd._make_grads``,
+    ``_tensor_or_tensors_to_tuple`` and ``torch.autograd.graph._engine_run_backward``; checked on torch 2.11, 2.13
+    and 2.15."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    outputs = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
+    wanted = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    grads = _make_grads(outputs, _tensor_or_tensors_to_tuple(grad_tensors, len(outputs)), is_grads_batched=False)
+    retain = create_graph if retain_graph is None else retain_graph
+    _engine_run_backward(outputs, grads, retain, create_graph, wanted, allow_unreachable=True, accumulate_grad=True)
+
+
+def ring_rotate_method() -> str:
+    """How the ring moves key/value parts now (``"allgather"`` or ``"alltoall"``)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    names = {_attention._RotateMethod.ALL_GATHER: "allgather", _attention._RotateMethod.ALL_TO_ALL: "alltoall"}
+    return names[_attention._cp_options.rotate_method]
 
 
 def _cpu_ring_handler(op_call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -337,7 +375,7 @@ def _cpu_ring_handler(op_call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any
     aten = torch.ops.aten
     backward = op_call is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     query = args[1] if backward else args[0]
-    if query.device_mesh.ndim != 1 or tuple(query.placements) != (Shard(_SEQ_DIM),):
+    if query.device_mesh.ndim != 1 or tuple(query.placements) != (Shard(ATTENTION_SEQUENCE_DIM),):
         raise NotImplementedError(f"ring attention needs a 1-D mesh and Shard(2), got {query.placements}")
     local = [a._local_tensor if isinstance(a, DTensor) else a for a in args]
     inputs = ("grad_out", "query", "key", "value", "out", "logsumexp") if backward else ("query", "key", "value")
@@ -348,9 +386,11 @@ def _cpu_ring_handler(op_call: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any
         raise NotImplementedError("ring attention takes no attention mask and no dropout")
     group = query.device_mesh.get_group()
     if not backward:
-        out, logsumexp = _attention._templated_ring_attention(group, _SEQ_DIM, op_call, **named)[:2]
+        out, logsumexp = _attention._templated_ring_attention(group, ATTENTION_SEQUENCE_DIM, op_call, **named)[:2]
         return _dtensor_like(out, query), _dtensor_like(logsumexp, query)
-    grads = _attention._templated_ring_attention_backward(group, _SEQ_DIM, op_call, grad_out_name="grad_out", **named)
+    grads = _attention._templated_ring_attention_backward(
+        group, ATTENTION_SEQUENCE_DIM, op_call, grad_out_name="grad_out", **named
+    )
     return tuple(_dtensor_like(g, like) for g, like in zip(grads[:3], args[1:4], strict=True))
 
 

@@ -1,5 +1,5 @@
-"""Walking and casting the tensors inside nested inputs and outputs (tuples, lists, dicts, HF ModelOutputs), and the
-local part of a DTensor."""
+"""Walking and casting the tensors inside nested inputs and outputs (tuples, lists, dicts, HF ModelOutputs), the
+local part of a DTensor, and the label value losses skip."""
 
 from typing import Any, Callable, Iterable
 
@@ -7,6 +7,10 @@ import torch
 from torch import Tensor
 
 from lightning_mixedfsdp.compat.torch import tree_flatten, tree_unflatten
+
+IGNORE_INDEX = -100
+"""The label of a token no loss trains on: ``torch.nn.functional.cross_entropy``'s ``ignore_index`` default, which
+Hugging Face models use too."""
 
 
 def tensors_in(obj: Any) -> Iterable[Tensor]:

@@ -151,7 +151,16 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
         reduce = self._fault_tolerance.cross_replica_reduce
-        sharded = shard_model(module, self._config, precision.bulk, self.meshes, self.root_device, parallelize, reduce)
+        sharded = shard_model(
+            module,
+            self._config,
+            precision.bulk,
+            self.meshes,
+            self.root_device,
+            parallelize,
+            reduce,
+            self._context_parallel,
+        )
         if sharded.applied is not None:
             sharded.applied.handles.extend(self._fault_tolerance.watch(sharded.module))
         else:
