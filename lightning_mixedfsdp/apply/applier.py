@@ -34,6 +34,7 @@ from lightning_mixedfsdp.apply.replicate import (
     fsdp_gradient_divide_factor,
     replicate_params,
 )
+from lightning_mixedfsdp.apply.unfreeze import apply_unfreeze_check
 from lightning_mixedfsdp.compat.torch import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.config import BufferSyncMode
 from lightning_mixedfsdp.mesh import ExpertMeshes, ParallelMeshes
@@ -118,9 +119,11 @@ def apply_plan(
     ignored = {replica.param for replica in replicas}
     offload = options.memory.offload == "cpu"
     for group in plan.sharded_groups:
-        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload)
+        trainable = any(plan.params[name].requires_grad for name in group.params)
+        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, trainable)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
+    handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))
     if meshes.context_parallel is not None:
         context = context_parallel or ContextParallel(
             meshes.context_parallel, options.parallelism.context_parallel_rotate
@@ -196,7 +199,7 @@ def apply_step_tracking(
         replicas, meshes.replicas.get_group(), divide_factor=lambda: fsdp_gradient_divide_factor(model)
     )
     tracker = StepTracker()
-    if reducer.num_buckets:
+    if reducer.has_replicas:
         tracker.on_backward_end(reducer.on_backward_end)
         tracker.on_reset(reducer.drop_local_grads)
     if isinstance(model, FSDPModule):
@@ -289,15 +292,20 @@ def apply_fully_shard(
     reshard_after_forward: bool,
     ignored: Set[nn.Parameter],
     offload_to_cpu: bool = False,
+    trainable: bool = True,
 ) -> None:
     """One ``fully_shard``: over the data-parallel shard ranks, or for an experts group over the ranks holding the
-    same experts, with the divide factor that averages its grads over all data-parallel ranks."""
+    same experts, with the divide factor that averages its grads over all data-parallel ranks. ``trainable``: whether
+    any of the group's params requires grad at setup."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     # on the outermost module of each name: a checkpoint or compile wrapper, as torchtitan shards them
     modules = [index.outer[name] for name in group.modules]
-    # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward)
-    reshard: Optional[bool] = None if group.is_root and reshard_after_forward else reshard_after_forward
+    # None lets FSDP keep the root unsharded after forward (it is all-gathered again at once in backward); a root with
+    # no trainable param (a frozen teacher or backbone set up on its own) runs no backward that would reshard it, so it
+    # would hold its whole unsharded params from its first forward on (and hand them to an optimizer that unfreezes it)
+    keep_root = group.is_root and reshard_after_forward and trainable
+    reshard: Optional[bool] = None if keep_root else reshard_after_forward
     target = modules[0] if len(modules) == 1 else modules
     experts = meshes.experts if group.expert else None
     mesh = experts.fsdp if experts is not None else meshes.fsdp

@@ -105,9 +105,13 @@ class ReplicatedGradReducer:
         divide_factor: Callable[[], Optional[float]] = lambda: None,
     ) -> None:
         self._buckets: Dict[torch.dtype, List[nn.Parameter]] = {}
+        self._frozen: List[ReplicatedParam] = []
+        """Replicas frozen so far: each joins its bucket once it requires grad (a module unfrozen after setup)."""
         for replica in replicas:
             if replica.param.requires_grad:
                 self._buckets.setdefault(replica.reduce_dtype, []).append(replica.param)
+            else:
+                self._frozen.append(replica)
         self._group = group
         self._divide_factor = divide_factor
         self._all_present: Dict[torch.dtype, Tensor] = {}
@@ -119,6 +123,19 @@ class ReplicatedGradReducer:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether any replica may need reducing, now or once unfrozen."""
+        return bool(self._buckets or self._frozen)
+
+    def _adopt_unfrozen(self) -> None:
+        """Replicas frozen at setup that require grad now join their buckets (every rank unfreezes the same, so the
+        buckets stay alike)."""
+        unfrozen = [replica for replica in self._frozen if replica.param.requires_grad]
+        for replica in unfrozen:
+            self._buckets.setdefault(replica.reduce_dtype, []).append(replica.param)
+            self._frozen.remove(replica)
+
     def on_backward_end(self) -> None:
         if self.requires_gradient_sync:
             self.reduce()
@@ -127,6 +144,8 @@ class ReplicatedGradReducer:
     def reduce(self) -> None:
         import torch.distributed as dist
 
+        if self._frozen:
+            self._adopt_unfrozen()
         factor = self._divide_factor()
         for reduce_dtype, params in self._buckets.items():
             grads = [self._take_grad(p) for p in params]

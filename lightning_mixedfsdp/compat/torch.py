@@ -35,6 +35,21 @@ def fsdp_param_groups_of_state(state: Any) -> List[Any]:
     return [group] if group is not None else []
 
 
+def fsdp_group_params(group: Any) -> List[nn.Parameter]:
+    """The sharded params of an ``FSDPParamGroup`` (private ``fsdp_params`` and ``FSDPParam.sharded_param``, checked
+    on torch 2.11 to 2.15)."""
+    return [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+
+
+def refresh_fsdp_group_dtypes(group: Any) -> None:
+    """Recompute an ``FSDPParamGroup``'s original and reduce dtypes from the params that require grad now.
+
+    FSDP2 fixes them at its lazy init from the trainable params (private ``FSDPParamGroup._init_mp_dtypes``, idempotent;
+    checked on torch 2.11 to 2.15): a group with none then keeps no original dtype, and grads of params unfrozen later
+    reach the reduce-scatter without their cast back to the param's dtype."""
+    group._init_mp_dtypes()
+
+
 def gradient_divide_factor(module: nn.Module) -> Optional[float]:
     """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own groups, if any.
 

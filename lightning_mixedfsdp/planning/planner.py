@@ -93,6 +93,7 @@ def plan_model(
     units = _units(index, options.sharding.wrap_units, experts)
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     keys = {name: param_key(p, name in matches, bulk, inside(name, frozen)) for name, p in params.items()}
+    frozen_pinned = tuple(n for n, p in params.items() if keys[n] != param_key(p, n in matches, bulk))
     groups, group_of = plan_groups(index, params, keys, matches, units, bulk, options.sharding.replicate_below_bytes)
     if experts is not None:
         groups = mark_expert_groups(groups, experts, type(model).__name__)
@@ -124,6 +125,7 @@ def plan_model(
         float8_left_experts=fused_experts(index) if options.float8.recipe is not None else (),
         replica_groups=options.replica_groups,
         context_parallel=options.parallelism.context_parallel_size,
+        frozen_pinned=frozen_pinned,
         non_persistent_buffers=_non_persistent_buffers(index),
         warnings=_plan_warnings(matches, unbuilt),
     )

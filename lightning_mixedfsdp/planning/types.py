@@ -150,10 +150,14 @@ class ShardPlan:
     float8_left_experts: Tuple[str, ...] = ()
     """With a float8 recipe: the fused MoE experts modules, which stay in the compute dtype."""
     replica_groups: Optional[int] = None
-    context_parallel: int = 1
-    """Ranks each sequence is split over (ring attention); params are sharded over the shard ranks times these."""
     """Fault tolerance: the torchft replica groups every gradient is also averaged across, each group's in its own
     reduce dtype; None: off."""
+    context_parallel: int = 1
+    """Ranks each sequence is split over (ring attention); params are sharded over the shard ranks times these."""
+    frozen_pinned: Tuple[str, ...] = ()
+    """Frozen params held as a frozen module's are (its compute dtype: no fp32 master, no fp32 reduce) where a
+    trainable param would get other dtypes: made trainable after setup they would train without what the precision
+    promises, so doing so is refused at the next forward (``apply/unfreeze.py``)."""
 
     def cross_replica_reductions(self) -> Dict[torch.dtype, int]:
         """With fault tolerance: the all-reduces across replica groups per step, by reduce dtype (one per trainable

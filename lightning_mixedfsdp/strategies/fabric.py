@@ -2,7 +2,7 @@
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
+from lightning_mixedfsdp.apply.optimizers import params_by_identity, rebind_optimizer
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
 from lightning_mixedfsdp.pipeline import ShardedModels
@@ -83,6 +84,18 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self._shard(module, self.precision, self._parallelize_fn)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: List[Optimizer], scheduler: Optional[Any] = None
+    ) -> Tuple[nn.Module, List[Optimizer], Optional[Any]]:
+        """Lightning's joint setup (``fabric.setup(model, optimizer)``), with each optimizer's param groups pointed at
+        the sharded params that replaced the ones it was built with (hyperparameters and groups kept)."""
+        names = params_by_identity(module)
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, names, module, type(self).__name__)
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

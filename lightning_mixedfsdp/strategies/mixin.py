@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
+from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes
@@ -178,7 +179,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
 
     def _watch_optimizer(self, optimizer: Optimizer) -> None:
         """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the models'
-        buffers averaged (``buffers.sync="average"``), the float8 all-gather's scales computed (``float8``)."""
+        buffers averaged (``buffers.sync="average"``), the float8 all-gather's scales computed (``float8``). An
+        optimizer that would compute each update from a shard of a matrix it needs whole is refused first."""
+        refuse_whole_matrix_optimizer(optimizer, type(self).__name__)
         if optimizer not in self._watched:
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
