@@ -58,7 +58,7 @@ def unfrozen_message(owner: str, unfrozen: Sequence[str], bulk: BulkDtypes) -> s
     return (
         f"mixed_fsdp2: modules frozen at setup are trainable now ({owner}: {shown}). The plan holds a frozen module's"
         f" params in the compute dtype ({compute}), with no {storage} master and grads reduced in {compute}, so they"
-        f" would train without what this precision gives trainable params (storage {storage}, grads reduced in {reduce}). Set"
-        " pin_frozen_modules=False (frozen modules then get the trainable params' dtypes and can be unfrozen later,"
-        " as Lightning's BaseFinetuning callbacks do), or make them trainable before setup."
+        f" would train without what this precision gives trainable params (storage {storage}, grads reduced in"
+        f" {reduce}). Set pin_frozen_modules=False (frozen modules then get the trainable params' dtypes and can be"
+        " unfrozen later, as Lightning's BaseFinetuning callbacks do), or make them trainable before setup."
     )
