@@ -9,10 +9,17 @@ torchrun tears the job down sooner when a rank dies).
 """
 
 import builtins
+import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+_NOT_KEPT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What a section never keeps: the process is being stopped. Every other error is kept, ``BaseException`` subclasses
+included (torch DCP's ``CheckpointException`` is one)."""
 
 Failure = Tuple[int, str, str]
 """(rank, exception class name, message)."""
@@ -22,12 +29,15 @@ class Agreement:
     """This rank's first failure in a section, and the collective that makes every rank raise it.
 
     ``with agreement.local(): ...`` keeps an error raised inside (the section goes on, so the ranks stay in step);
-    ``agreement.agree()`` raises on every rank when any rank kept one. ``what`` names the section in the messages."""
+    ``agreement.agree()`` raises on every rank when any rank kept one. ``what`` names the section in the messages.
+    Errors after this rank's first (a stream's close after a failed write) are kept in ``later`` and logged, never
+    raised before the agreement: a rank that raised alone would leave its peers waiting in its collective."""
 
     def __init__(self, what: str, group: Any = None) -> None:
         self.what = what
         self.group = group
         self.error: Optional[BaseException] = None
+        self.later: List[BaseException] = []
 
     @property
     def failed(self) -> bool:
@@ -36,14 +46,19 @@ class Agreement:
 
     @contextmanager
     def local(self) -> Iterator[None]:
-        """Work with no collective inside: an exception is kept (the first one), not raised."""
-        if self.error is not None:
-            yield
-            return
+        """Work with no collective inside: an exception is kept (the first one; later ones logged), not raised."""
         try:
             yield
-        except Exception as error:  # every rank hears of it at agree()
-            self.error = error
+        except _NOT_KEPT:
+            raise
+        except BaseException as error:  # every rank hears of the first at agree()
+            if self.error is None:
+                self.error = error
+            else:
+                self.later.append(error)
+                log.warning(
+                    "%s: a further error after this rank's first: %s: %s", self.what, type(error).__name__, error
+                )
 
     def agree(self) -> None:
         """Every rank raises the first failing rank's error (its own, unchanged, on that rank), or none does."""
@@ -80,7 +95,9 @@ def on_rank_zero(what: str, compute: Callable[[], T], group: Any = None) -> T:
     if rank == 0:
         try:
             outcome = [None, compute()]
-        except Exception as error:
+        except _NOT_KEPT:
+            raise
+        except BaseException as error:
             outcome = [(type(error).__name__, str(error)), None]
             own = error
     source = dist.get_global_rank(group, 0) if group is not None else 0
