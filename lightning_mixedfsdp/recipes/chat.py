@@ -7,7 +7,7 @@ template's role headers. The spans come from rendering the conversation prefix b
 without ``{% generation %}`` markers get correct masks too: turn ``k`` spans from the end of the first ``k`` messages
 rendered with the generation prompt to the end of the first ``k + 1``. Every prefix must be a token prefix of the
 whole conversation's rendering; a template that rewrites earlier turns (some drop past reasoning blocks) fails that
-check and is refused with the reason, as is a prompt whose tokens merge with its completion's.
+check and is refused with the reason. A prompt/completion pair is tokenized in two parts, as inference sees it.
 
 The reference byte-level model has no tokenizer of its own: its chat template is :data:`BYTE_CHAT_TEMPLATE`, a role
 header line per message and ``<|end|>`` after each."""
@@ -28,7 +28,7 @@ per message, ``<|assistant|>\\n`` as the generation prompt."""
 
 
 class ChatTemplateError(ValueError):
-    """A conversation or pair the template or tokenizer cannot turn into correct masks."""
+    """A conversation the template or tokenizer cannot turn into correct masks."""
 
 
 @dataclass
@@ -145,17 +145,11 @@ def _last(sequence: List[int], part: List[int]) -> int:
 
 
 def instruction_example(prompt: str, completion: str, encode: Encode, end: Sequence[int] = ()) -> Example:
-    """The prompt's tokens untrained, the completion's (and ``end``, the EOS ids) trained."""
-    prompt_ids, full = encode(prompt), encode(prompt + completion)
-    if full[: len(prompt_ids)] != prompt_ids:
-        raise ChatTemplateError(
-            f"the prompt's tokens are not the start of the prompt and completion's (the prompt ends"
-            f" {prompt[-12:]!r}, the completion starts {completion[:12]!r}): a token spans the boundary, so it"
-            " would be half prompt, half completion. Move the whitespace at the prompt's end to the completion's"
-            " start"
-        )
-    full = full + list(end)
-    return Example(full, [IGNORE_INDEX] * len(prompt_ids) + full[len(prompt_ids) :])
+    """The prompt's tokens untrained, then the completion's and ``end`` (the EOS ids) trained: prompt and completion
+    tokenized apart, as inference sees them (the prompt encoded alone, the completion generated token by token after
+    it), so a token BPE would merge across the boundary (a prompt ending in a space) is never half of each."""
+    prompt_ids, answer = encode(prompt), encode(completion) + list(end)
+    return Example(prompt_ids + answer, [IGNORE_INDEX] * len(prompt_ids) + answer)
 
 
 def conversation_problem(messages: Any) -> Optional[str]:

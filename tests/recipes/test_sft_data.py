@@ -1,8 +1,8 @@
 """Fine-tuning data in one process: exactly the assistant tokens are trained (two real template styles, the byte
-template, and agreement with transformers' own ``{% generation %}`` mask), the instruction format, templates and
-prompts that cannot give correct masks refused with the reason, packed and padded rows, each step's trained-token
-count, packing that keeps an HF Llama's logits for each conversation as they are alone, and every bad input refused
-before launch, all at once."""
+template, and agreement with transformers' own ``{% generation %}`` mask), the instruction format (prompt and
+completion tokenized apart, as inference sees them), templates that cannot give correct masks refused with the
+reason, packed and padded rows, each step's trained-token count, packing that keeps an HF Llama's logits for each
+conversation as they are alone, and every bad input refused before launch, all at once."""
 
 import json
 import re
@@ -21,7 +21,7 @@ from lightning_mixedfsdp.recipes.chat import (
     hf_chat_format,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.schema import RecipeError
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 from lightning_mixedfsdp.recipes.sft_data import Rows, StepRows, packed_rows, padded_rows
 from tests.recipes.sft_tokenizers import CHATML_GENERATION, QWEN3_THINKING, save_tokenizer
 
@@ -111,8 +111,38 @@ def test_instruction_pairs_train_the_completion_and_eos_only(tokenizers: Dict[st
     example = instruction_example("The capital of France is", " Paris.", encode, [tokenizer.eos_token_id])
     assert tokenizer.decode([t for t in example.labels if t != IGNORE_INDEX]) == " Paris.<|im_end|>"
     assert example.labels[: len(encode("The capital of France is"))] == [IGNORE_INDEX] * 5
-    with pytest.raises(ChatTemplateError, match=r"a token spans the boundary.*Move the whitespace"):
-        instruction_example("The capital of France is ", "Paris.", encode)
+
+
+def test_a_pair_whose_tokens_merge_across_the_boundary_trains_as_inference_sees_it(
+    tmp_path: Path, tokenizers: Dict[str, Path]
+) -> None:
+    """300 pairs, one of them a prompt ending in a space before its completion's first word (BPE merges the two
+    when they are tokenized together): accepted before launch, and every pair is its prompt's tokens alone (as
+    inference encodes it), then its completion's and EOS, exactly those two trained."""
+    from lightning_mixedfsdp.recipes.data import make_tokenizer
+    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, fine_tuning_examples
+
+    tokenizer = _load(tokenizers["chatml"])
+
+    def encode(text: str) -> List[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    merging = {"prompt": "Repeat after me: tunnel garden bridge ", "completion": "tunnel garden bridge"}
+    assert encode(merging["prompt"] + merging["completion"]) != encode(merging["prompt"]) + encode(
+        "tunnel garden bridge"
+    )
+    pairs = [
+        {"prompt": f"What is {a} plus {b}?", "completion": f" It is {a + b}."} for a in range(20) for b in range(15)
+    ]
+    pairs[7] = merging
+    recipe = _recipe(tmp_path, pairs, f"data.tokenizer={tokenizers['chatml']}", "model.vocab_size=512")
+    maker = ExampleMaker(recipe.data, "instruction", make_tokenizer(recipe.data.tokenizer))
+    splits = fine_tuning_examples(recipe.data, maker)
+    made = {tuple(example.ids): example.labels for example in splits.train + splits.held_out}
+    assert len(made) == len(pairs) and not splits.problems
+    for pair in pairs:
+        prompt, completion = encode(pair["prompt"]), encode(pair["completion"]) + [tokenizer.eos_token_id]
+        assert made[tuple(prompt + completion)] == [IGNORE_INDEX] * len(prompt) + completion
 
 
 def _rows_of(lengths: List[int]) -> List:  # type: ignore[type-arg]
@@ -170,12 +200,12 @@ def test_a_conversation_packed_between_two_others_gives_the_logits_it_gives_alon
     assert (seen[0, start : start + length].float() - alone[0].float()).abs().max() > 0.1 * spread
 
 
-def _recipe(tmp_path: Path, lines: List[object], *overrides: str) -> None:
+def _recipe(tmp_path: Path, lines: List[object], *overrides: str) -> Recipe:
     from lightning_mixedfsdp.recipes.loader import load_recipe
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
-    load_recipe(
+    return load_recipe(
         str(ROOT / "conf" / "stdlib_llama.yaml"),
         [f"data.files={data}", "data.seq_len=64", "data.held_out_every=2", "data.val_windows=2", *overrides],
     )
