@@ -62,9 +62,9 @@ class ChatFormat:
 
 
 def byte_chat_format(encode: Encode, template: Optional[str] = None) -> ChatFormat:
-    """The reference model's: :data:`BYTE_CHAT_TEMPLATE` (or ``template``, whose turns' end marker is then unknown:
-    the whole span a turn adds is trained) rendered by Jinja's sandbox, as transformers renders templates."""
-    if template is not None:
+    """The reference model's: :data:`BYTE_CHAT_TEMPLATE` (or another ``template``, whose turns' end marker is then
+    unknown: the whole span a turn adds is trained) rendered by Jinja's sandbox, as transformers renders templates."""
+    if template is not None and template != BYTE_CHAT_TEMPLATE:
         return ChatFormat(_jinja_renderer(template), encode, None)
     return ChatFormat(_jinja_renderer(BYTE_CHAT_TEMPLATE), encode, BYTE_END_OF_TURN)
 

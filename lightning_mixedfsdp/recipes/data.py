@@ -40,9 +40,13 @@ def split_corpus(files: List[Path], held_out_every: int, max_bytes: int) -> Tupl
 
 
 class ByteTokenizer:
-    """Bytes as tokens (vocabulary 256); documents are separated by a blank line."""
+    """Bytes as tokens (vocabulary 256); documents are separated by a blank line. ``chat_template``: the one a
+    byte-level export's tokenizer carries, when it was read from one."""
 
     vocab_size = 256
+
+    def __init__(self, chat_template: Optional[str] = None) -> None:
+        self.chat_template = chat_template
 
     def encode(self, document: Document) -> List[int]:
         data = document if isinstance(document, bytes) else document.encode("utf-8")
@@ -52,10 +56,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local Hugging Face tokenizer; each document ends with its EOS token when it has one."""
 
-    def __init__(self, directory: str) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, directory: str, trust_remote_code: bool = False) -> None:
+        from lightning_mixedfsdp.recipes.inputs import load_hf_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        self.tokenizer = load_hf_tokenizer(directory, trust_remote_code)
         self.vocab_size = len(self.tokenizer)
 
     def encode(self, document: Document) -> List[int]:
@@ -68,8 +72,17 @@ class HFTokenizer:
         self.tokenizer.save_pretrained(str(directory))
 
 
-def make_tokenizer(spec: str) -> Union[ByteTokenizer, HFTokenizer]:
-    return ByteTokenizer() if spec == "bytes" else HFTokenizer(spec)
+def make_tokenizer(spec: str, trust_remote_code: bool = False) -> Union[ByteTokenizer, HFTokenizer]:
+    """The byte tokenizer for ``bytes`` and for a directory holding the one a byte-level run exports (with the chat
+    template it carries), so fine-tuning a run's export tokenizes as that run did; else the directory's HF
+    tokenizer."""
+    from lightning_mixedfsdp.recipes.hf_export import is_byte_tokenizer, saved_chat_template
+
+    if spec == "bytes":
+        return ByteTokenizer()
+    if is_byte_tokenizer(spec):
+        return ByteTokenizer(saved_chat_template(spec))
+    return HFTokenizer(spec, trust_remote_code)
 
 
 def read_documents(data: DataSection) -> Iterator[Document]:
@@ -150,7 +163,7 @@ def data_problems(data: DataSection, ranks: int) -> List[str]:
     enough, so a large corpus costs one window's worth of work."""
     if data.val_windows < ranks:
         return [f"data.val_windows={data.val_windows} must be >= the {ranks} data-parallel ranks (a window each)"]
-    tokenizer = make_tokenizer(data.tokenizer)
+    tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
     counts, documents = [0, 0], 0
     for split, document in assign_splits(read_documents(data), data.held_out_every, data.max_bytes):
         counts[split] += len(tokenizer.encode(document))
@@ -271,7 +284,7 @@ class TextCorpus(pl.LightningDataModule):
     def __init__(self, data: DataSection, seed: int, micro_batches: int) -> None:
         super().__init__()
         self.data, self.seed, self.micro_batches = data, seed, micro_batches
-        self.tokenizer = make_tokenizer(data.tokenizer)
+        self.tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
         self.train_set: Optional[SizedDataset] = None
         self.val_set: Optional[SizedDataset] = None
 

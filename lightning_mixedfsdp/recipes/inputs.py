@@ -5,7 +5,7 @@ import dataclasses
 import glob
 import json
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
@@ -48,6 +48,60 @@ def hf_config_fields(source: Any) -> dict:
 
 REFERENCE_MODEL_TYPE = "mixedfsdp_tinyllama"
 """The ``model_type`` of the reference model's export (``hf_export.write_reference_config``)."""
+REFERENCE_MODULE = "hf_tinyllama"
+"""The modelling file the runner copies into that export, which its ``auto_map`` names."""
+
+
+def project_export(directory: Union[str, Path]) -> bool:
+    """Whether ``directory`` is this project's export of the reference model: a ``config.json`` of the reference
+    model's ``model_type`` whose ``auto_map`` names only the modelling file the runner copied beside it, so the code
+    transformers would run is this package's own."""
+    path = Path(directory)
+    fields = _json_object(path / "config.json")
+    auto_map = fields.get("auto_map")
+    return (
+        fields.get("model_type") == REFERENCE_MODEL_TYPE
+        and isinstance(auto_map, dict)
+        and all(str(ref).split(".")[0] == REFERENCE_MODULE for ref in auto_map.values())
+        and (path / f"{REFERENCE_MODULE}.py").is_file()
+    )
+
+
+def custom_code(directory: Union[str, Path]) -> List[str]:
+    """The files of a tokenizer directory whose ``auto_map`` has transformers run the directory's own Python code to
+    load it: ``tokenizer_config.json`` naming a tokenizer class, ``config.json`` naming a config of a model type
+    transformers does not know (this project's export excepted). Empty: it loads with transformers' own code."""
+    from transformers import CONFIG_MAPPING
+
+    path = Path(directory)
+    found = []
+    config = _json_object(path / "config.json")
+    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING and not project_export(path):
+        found.append(f"config.json's auto_map {config['auto_map']}")
+    tokenizer = _json_object(path / "tokenizer_config.json")
+    if tokenizer.get("auto_map"):
+        found.append(f"tokenizer_config.json's auto_map {tokenizer['auto_map']}")
+    return found
+
+
+def _json_object(path: Path) -> Dict[str, Any]:
+    """A JSON file's object; empty when the file is missing or holds something else."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return fields if isinstance(fields, dict) else {}
+
+
+def load_hf_tokenizer(directory: Union[str, Path], trust_remote_code: bool = False) -> Any:
+    """The HF tokenizer in a local ``directory``, never by asking: transformers prompts on a terminal only when
+    ``trust_remote_code`` is left out, so it is always passed. This project's export is read without its modelling
+    code (a plain config in place of the one its ``auto_map`` names; the tokenizer needs none of it), so neither a
+    prompt nor a warning about the config's model type comes."""
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    plain = {"config": PretrainedConfig()} if project_export(directory) else {}
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code, **plain)
 
 
 def reference_model_config(model: ModelSection) -> Optional[TinyLlamaConfig]:
@@ -140,12 +194,12 @@ def model_vocab_size(model: ModelSection) -> Optional[int]:
     return int(vocab) if vocab is not None else None
 
 
-def tokenizer_vocab_size(spec: str) -> int:
-    if spec == "bytes":
-        return 256
-    from transformers import AutoTokenizer
+def tokenizer_vocab_size(spec: str, trust_remote_code: bool = False) -> int:
+    from lightning_mixedfsdp.recipes.hf_export import is_byte_tokenizer
 
-    return len(AutoTokenizer.from_pretrained(spec))
+    if spec == "bytes" or is_byte_tokenizer(spec):
+        return 256
+    return len(load_hf_tokenizer(spec, trust_remote_code))
 
 
 def input_problems(recipe: Recipe) -> List[str]:
@@ -185,8 +239,14 @@ def input_problems(recipe: Recipe) -> List[str]:
             f"data.tokenizer={data.tokenizer!r} is neither 'bytes' nor a directory; point it at a local HF tokenizer"
             " (tokenizer.save_pretrained(dir))"
         )
+    elif data.tokenizer != "bytes" and not data.trust_remote_code and custom_code(data.tokenizer):
+        problems.append(
+            f"data.tokenizer={data.tokenizer!r} ships Python code that transformers would run to load it"
+            f" ({'; '.join(custom_code(data.tokenizer))}); set data.trust_remote_code=true if you trust that code, or"
+            " point data.tokenizer at a tokenizer transformers loads with its own code"
+        )
     elif vocab is not None:
-        tokens = tokenizer_vocab_size(data.tokenizer)
+        tokens = tokenizer_vocab_size(data.tokenizer, data.trust_remote_code)
         if tokens > vocab:
             problems.append(
                 f"data.tokenizer={data.tokenizer!r} has {tokens} tokens, more than the model's embedding ({vocab});"

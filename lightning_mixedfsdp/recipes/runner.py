@@ -244,7 +244,8 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
         if isinstance(datamodule.tokenizer, HFTokenizer):
             datamodule.tokenizer.save_pretrained(directory)
         else:
-            write_byte_tokenizer(directory, template_text(recipe.data.chat_template) or chat_template)
+            own = datamodule.tokenizer.chat_template  # the template of the byte-level export it was read from
+            write_byte_tokenizer(directory, template_text(recipe.data.chat_template) or own or chat_template)
 
     strategy.export_safetensors(module.model, folder.export, dtype=dtype, also_write=beside_the_weights)
     if recipe.peft.enabled:

@@ -95,7 +95,12 @@ class DataSection:
     text_field: str = "text"
     """The field of each jsonl line that holds its text."""
     tokenizer: str = "bytes"
-    """``bytes`` (vocabulary 256), or a local HF tokenizer directory."""
+    """``bytes`` (vocabulary 256), or a local HF tokenizer directory (a run's ``export/`` too: the byte-level one is
+    the byte tokenizer)."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python code a ``data.tokenizer`` directory ships (an ``auto_map`` in its
+    ``config.json`` or ``tokenizer_config.json``) to load it; without it such a directory is refused before launch.
+    This project's own exports load without it."""
     seq_len: int = 128
     """Tokens per training window; text is packed into windows of this length."""
     batch_size: int = 8

@@ -116,7 +116,8 @@ class ExampleMaker:
             self.encode = lambda text: list(text.encode("utf-8"))
             self.decode = lambda ids, skip_special_tokens=False: bytes(ids).decode("utf-8", errors="replace")
             self.end, self.pad = self.encode(BYTE_END_OF_TURN), 0
-            self._chat = lambda: byte_chat_format(self.encode, template)
+            own = tokenizer.chat_template  # a byte-level export's, unless the recipe names another
+            self._chat = lambda: byte_chat_format(self.encode, template if template is not None else own)
         self.chat: Optional[ChatFormat] = None
 
     def __call__(self, record: Any) -> Example:
@@ -172,7 +173,7 @@ def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplit
     out, starting with the first; each split read until it holds ``max_bytes`` of token ids. Every bad record is a
     problem (the first :data:`MAX_LISTED` listed, the rest counted)."""
     splits = ExampleSplits([], [], [])
-    sizes, bad = [0, 0], 0
+    sizes, bad, template_failed = [0, 0], 0, False
     for index, (where, record) in enumerate(read_records(data, maker.format)):
         split = 1 if index % data.held_out_every == 0 else 0
         if sizes[split] >= data.max_bytes:
@@ -181,9 +182,11 @@ def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplit
             continue
         try:
             example = maker(record)
-        except ChatTemplateError as error:  # the same for every record: say it once
-            splits.problems.append(f"data: {where}: {error}")
-            return splits
+        except ChatTemplateError as error:  # the template's: said once, the other records still checked
+            if not template_failed:
+                splits.problems.append(f"data: {where}: {error}")
+            template_failed = True
+            continue
         except ValueError as error:
             bad += 1
             if bad <= MAX_LISTED:
@@ -218,7 +221,8 @@ def fine_tuning_problems(data: DataSection, ranks: int, packed: bool) -> List[st
     row per data-parallel rank (``packed``: as the run packs them)."""
     from lightning_mixedfsdp.recipes.data import make_tokenizer
 
-    splits = fine_tuning_examples(data, ExampleMaker(data, resolved_format(data), make_tokenizer(data.tokenizer)))
+    tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
+    splits = fine_tuning_examples(data, ExampleMaker(data, resolved_format(data), tokenizer))
     problems = list(splits.problems)
     if splits.too_long and data.too_long == "error":
         problems.append(

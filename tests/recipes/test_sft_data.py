@@ -2,9 +2,12 @@
 template, and agreement with transformers' own ``{% generation %}`` mask), the instruction format (prompt and
 completion tokenized apart, as inference sees them), templates that cannot give correct masks refused with the
 reason, packed and padded rows, each step's trained-token count, packing that keeps an HF Llama's logits for each
-conversation as they are alone, and every bad input refused before launch, all at once."""
+conversation as they are alone, every bad input refused before launch, all at once, and the project's own exports
+as tokenizers (no question asked, the byte-level one tokenizing as the byte tokenizer), a tokenizer of its own code
+only under ``data.trust_remote_code``."""
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Dict, List
@@ -278,3 +281,114 @@ def test_the_generated_conversations_are_the_same_each_time_and_all_trainable() 
     assert first == again and len(first) > 200
     assert all(conversation_problem(messages) is None for messages in first)
     assert any(len(messages) == 5 for messages in first) and any(m[0]["role"] == "system" for m in first)
+
+
+def _write_export(directory: Path, vocab_size: int) -> Path:
+    """A reference model's export as the runner writes it (safetensors, then ``config.json`` and the modelling
+    code), without a tokenizer."""
+    from safetensors.torch import save_file
+
+    from lightning_mixedfsdp.recipes.hf_export import write_reference_config
+    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+
+    config = TinyLlamaConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=64, mixer_layers=[1])
+    directory.mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in TinyLlama(config).state_dict().items()}, str(directory / "model.safetensors")
+    )
+    write_reference_config(directory, config, torch.bfloat16)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory, tokenizers: Dict[str, Path]) -> Dict[str, Path]:
+    """The main job's export (byte tokenizer, no chat template); a reference model's export holding an HF tokenizer
+    without a chat template; an HF tokenizer whose class is its own code (``auto_map``)."""
+    from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer
+
+    root = tmp_path_factory.mktemp("exports")
+    byte_level = _write_export(root / "bytes" / "export", 256)
+    write_byte_tokenizer(byte_level)
+    plain = _load(tokenizers["llama3"])
+    plain.chat_template = None
+    plain.save_pretrained(str(_write_export(root / "plain" / "export", 512)))
+    (root / "plain" / "export" / "chat_template.jinja").unlink(missing_ok=True)
+    custom = root / "custom"
+    _load(tokenizers["llama3"]).save_pretrained(str(custom))
+    (custom / "my_tokenizer.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass MyTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    pass\n"
+    )
+    config = json.loads((custom / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "my_tokenizer.MyTokenizerFast"]}
+    (custom / "tokenizer_config.json").write_text(json.dumps(config))
+    return {"bytes": byte_level, "plain": root / "plain" / "export", "custom": custom}
+
+
+LAUNCHES = """
+import sys
+from lightning_mixedfsdp.recipes.data import make_tokenizer
+from lightning_mixedfsdp.recipes.runner import main
+for export in sys.argv[1:3]:
+    print("=== " + export, flush=True)
+    try:
+        main(["--config", "conf/stdlib_llama_sft.yaml", "model.pretrained=" + export, "data.tokenizer=" + export,
+              "data.files=" + sys.argv[4]])
+    except SystemExit as exit:
+        print("exit", exit.code, flush=True)
+print("=== custom:", type(make_tokenizer(sys.argv[3], trust_remote_code=True).tokenizer).__name__, flush=True)
+"""
+
+
+def test_the_projects_exports_load_as_tokenizers_without_a_question_and_every_problem_is_listed(
+    tmp_path: Path, exports: Dict[str, Path]
+) -> None:
+    """``python -m lightning_mixedfsdp.train`` with standard input closed, as a scheduler runs it: the SFT recipe on
+    each export as model and tokenizer, on data with a line that is not JSON and a conversation without an
+    assistant turn. No prompt to run the export's code, no warning about its model type: the byte-level export
+    trains with the byte template (only the data's problems are listed), the other lists its missing template with
+    them. A tokenizer of its own code loads under data.trust_remote_code, unasked."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "chat.jsonl"
+    lines = [_chat(), "nope", {"messages": [{"role": "user", "content": "no answer"}]}, _chat()]
+    data.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    environment = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}  # the custom code's copy
+    command = [sys.executable, "-c", LAUNCHES, str(exports["bytes"]), str(exports["plain"]), str(exports["custom"])]
+    completed = subprocess.run(
+        [*command, str(data)], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300, env=environment,
+    )  # fmt: skip
+    out = completed.stdout
+    assert completed.returncode == 0, out[-3000:]
+    for question in ("[y/N]", "custom code", "model of type", "hf.co"):
+        assert question not in out, out
+    byte_level = out.split(f"=== {exports['plain']}")[0]
+    assert "Recipe has 2 problems:" in byte_level and "chat template" not in byte_level
+    plain = out.split(f"=== {exports['plain']}")[1]
+    assert re.search(r"Recipe has 3 problems:\n  - data: .*has no chat template; set data.chat_template", plain)
+    for launch in (byte_level, plain):
+        assert "chat.jsonl:2 is not JSON" in launch and "chat.jsonl:3 the conversation has no assistant turn" in launch
+        assert "exit 2" in launch
+    assert "=== custom: MyTokenizerFast" in out
+
+
+def test_the_byte_level_export_as_tokenizer_trains_as_the_byte_tokenizer(exports: Dict[str, Path]) -> None:
+    from lightning_mixedfsdp.recipes.data import ByteTokenizer, make_tokenizer
+    from lightning_mixedfsdp.recipes.schema import DataSection
+    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker
+
+    made = []
+    for spec in ("bytes", str(exports["bytes"])):
+        tokenizer = make_tokenizer(spec)
+        assert isinstance(tokenizer, ByteTokenizer)
+        made.append(ExampleMaker(DataSection(tokenizer=spec), "chat", tokenizer)({"messages": CONVERSATION}))
+    assert made[0] == made[1]
+    assert bytes(trained_spans(made[1].labels)[0]).decode() == "I am fine, thank you." + BYTE_END_OF_TURN
+
+
+def test_a_tokenizer_of_its_own_code_is_refused_without_the_key(tmp_path: Path, exports: Dict[str, Path]) -> None:
+    overrides = [f"data.tokenizer={exports['custom']}", "model.vocab_size=512"]
+    with pytest.raises(RecipeError, match=r"ships Python code .*auto_map.*set data.trust_remote_code=true if you"):
+        _recipe(tmp_path, [_chat(), _chat()], *overrides)
