@@ -118,14 +118,50 @@ class ParallelDims:
         devices of a node; ``data_parallel_size="auto"`` takes every rank the others leave (Lightning's: the number of
         nodes, which is the same when tensor parallelism is ``"auto"``)."""
         check_sizes(data_parallel_size, replicate, tensor_parallel_size, owner)
+        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
+        dims = cls._resolved(world_size, devices_per_node, *sizes)
+        dims.validate(world_size, owner)
+        return dims
+
+    @classmethod
+    def resolve_problems(
+        cls,
+        world_size: int,
+        devices_per_node: int,
+        data_parallel_size: MeshSize = "auto",
+        replicate: int = 1,
+        tensor_parallel_size: MeshSize = 1,
+        expert_parallel: int = 1,
+        context_parallel: int = 1,
+    ) -> List[str]:
+        """What :meth:`resolve` would refuse for these sizes, one problem per item (empty when it would resolve):
+        for a launcher that reports before any process starts. ``expert_parallel`` and ``context_parallel`` are
+        ints >= 1 (the config checks them)."""
+        problems = size_problems(data_parallel_size, replicate, tensor_parallel_size)
+        if problems:
+            return problems
+        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
+        dims = cls._resolved(world_size, devices_per_node, *sizes)
+        return dims.problems(world_size)
+
+    @classmethod
+    def _resolved(
+        cls,
+        world_size: int,
+        devices_per_node: int,
+        data_parallel_size: MeshSize,
+        replicate: int,
+        tensor_parallel_size: MeshSize,
+        expert_parallel: int,
+        context_parallel: int,
+    ) -> "ParallelDims":
+        """The sizes with ``"auto"`` resolved, not validated."""
         tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
         if data_parallel_size == "auto":
             shard = max(world_size // (replicate * tensor_parallel * context_parallel), 1)
         else:
             shard = int(data_parallel_size)
-        dims = cls(replicate, shard, tensor_parallel, expert_parallel, context_parallel)
-        dims.validate(world_size, owner)
-        return dims
+        return cls(replicate, shard, tensor_parallel, expert_parallel, context_parallel)
 
     @property
     def data_parallel(self) -> int:
@@ -292,14 +328,20 @@ def expert_meshes(dims: ParallelDims, device_type: str, tensor_parallel: "Device
 
 def check_sizes(data_parallel_size: Any, replicate: Any, tensor_parallel_size: Any, owner: str) -> None:
     """Sizes that can never be right, refused when a strategy is constructed (the world is known only at launch)."""
+    problems = size_problems(data_parallel_size, replicate, tensor_parallel_size)
+    if problems:
+        raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
+
+
+def size_problems(data_parallel_size: Any, replicate: Any, tensor_parallel_size: Any) -> List[str]:
+    """:func:`check_sizes`' problems, one per item."""
     problems = []
     for name, value in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
         if value != "auto" and not (isinstance(value, int) and value >= 1):
             problems.append(f"{name}={value!r} must be 'auto' or an int >= 1")
     if not (isinstance(replicate, int) and replicate >= 1):
         problems.append(f"data_parallel_replicate_size={replicate!r} must be an int >= 1")
-    if problems:
-        raise ValueError(f"{owner}: " + "; ".join(problems) + ".")
+    return problems
 
 
 def build_parallel_meshes(

@@ -1,21 +1,34 @@
-"""Loading a recipe: the schema's merge (schema < file < overrides), the checks of what it points at, whether the data
-fills a window, and whether this machine has the accelerator, reported together in one :class:`RecipeError` before
-any process starts."""
+"""Loading a recipe: the schema's merge (schema < file < overrides), the checks of what it points at, the mesh sizes
+and the model under them as the strategy and the pipeline would refuse them at setup, whether the data fills a
+window, and whether this machine has the accelerator, reported together in one :class:`RecipeError` before any process
+starts."""
 
-from typing import List, Optional, Sequence
+import re
+from typing import List, Mapping, Optional, Sequence
 
-from lightning_mixedfsdp.recipes.inputs import input_problems, logger_problems
+from lightning_mixedfsdp.recipes.inputs import input_problems, logger_problems, reference_model_config
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe
 
 
-def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: bool = True) -> Recipe:
+def load_recipe(
+    path: Optional[str], overrides: Sequence[str] = (), launching: bool = True, parallel: bool = True
+) -> Recipe:
     """The recipe at ``path`` (schema defaults without one) with ``key.sub=value`` overrides; raise
     :class:`RecipeError` listing every problem, the files a recipe points at checked once its fields are right.
     ``launching``: also what training here needs (this machine's accelerator, enough text); a dry run plans for
-    machines other than this one."""
+    machines other than this one. ``parallel``: also the mesh sizes against the recipe's world and the model against
+    its context parallelism, what the strategy and the pipeline refuse at setup (False: the planner CLI, which plans
+    at its own ``--world-size`` and size flags and checks those itself)."""
     recipe, problems = merge_recipe(path, overrides)
-    if not problems:
-        problems += input_problems(recipe)
+    fields_valid = not problems
+    if parallel:
+        problems += mesh_problems(recipe)
+        problems += mixer_layer_problems(recipe)
+    if fields_valid:
+        inputs = input_problems(recipe)
+        problems += inputs
+        if parallel and not any(p.startswith("model.") for p in inputs):  # the model's config reads
+            problems += model_context_parallel_problems(recipe)
         if launching:
             problems += accelerator_problems(recipe.trainer)
             problems += strategy_problems(recipe)
@@ -28,6 +41,89 @@ def load_recipe(path: Optional[str], overrides: Sequence[str] = (), launching: b
         listed = "\n".join(f"  - {p}" for p in problems)
         raise RecipeError(f"Recipe has {len(problems)} problems:\n{listed}")
     return recipe
+
+
+RECIPE_KEYS = {
+    "data_parallel_replicate_size": "strategy.data_parallel_replicate_size",
+    "data_parallel_size": "strategy.data_parallel_size",
+    "context_parallel_size": "strategy.parallelism.context_parallel_size",
+    "expert_parallel_size": "strategy.parallelism.expert_parallel_size",
+}
+"""The strategy's size names (as :class:`~lightning_mixedfsdp.mesh.ParallelDims` and the pipeline say them) and the
+recipe keys that set them."""
+
+
+def in_recipe_keys(problem: str, keys: Mapping[str, str] = RECIPE_KEYS) -> str:
+    """``problem`` with each size name the strategy says replaced by the recipe key that sets it."""
+    names = "|".join(sorted(keys, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.])({names})(?!\w)", lambda m: keys[m.group(1)], problem)
+
+
+def mesh_problems(recipe: Recipe) -> List[str]:
+    """The mesh sizes against ``trainer.devices x trainer.num_nodes`` ranks, as the strategy resolves and validates
+    them at setup (``ParallelDims``), in recipe keys. Sizes out of range are named by the schema's own checks."""
+    from lightning_mixedfsdp.mesh import ParallelDims
+
+    trainer, strategy = recipe.trainer, recipe.strategy
+    context, experts = strategy.parallelism.context_parallel_size, strategy.parallelism.expert_parallel_size
+    if min(trainer.devices, trainer.num_nodes, context, experts) < 1:
+        return []
+    world = recipe.world_size
+    problems = ParallelDims.resolve_problems(
+        world,
+        trainer.devices,
+        strategy.data_parallel_size or "auto",
+        strategy.data_parallel_replicate_size,
+        expert_parallel=experts,
+        context_parallel=context,
+    )
+    ranks = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world}"
+    return [
+        re.sub(r"world size \(\d+\)", f"world size ({ranks})", in_recipe_keys(problem)).replace(
+            "devices/nodes", "trainer.devices/trainer.num_nodes"
+        )
+        for problem in problems
+    ]
+
+
+def mixer_layer_problems(recipe: Recipe) -> List[str]:
+    """The reference model's mixer layers under context parallelism: a mixer runs along the whole sequence, which
+    context parallelism splits (the pipeline refuses it at setup, naming the module); the fix is a recipe key."""
+    model, context = recipe.model, recipe.strategy.parallelism.context_parallel_size
+    if model.hf_source() is not None or not model.mixer_layers or not (isinstance(context, int) and context > 1):
+        return []
+    return [
+        f"model.mixer_layers={list(model.mixer_layers)}: a Mamba-style mixer runs along the whole sequence, and"
+        f" strategy.parallelism.context_parallel_size={context} splits every sequence across ranks (only attention"
+        " runs on split sequences, as ring attention); set model.mixer_layers=[] (attention in every layer, as"
+        " conf/stdlib_llama_long.yaml) or strategy.parallelism.context_parallel_size=1"
+    ]
+
+
+def model_context_parallel_problems(recipe: Recipe) -> List[str]:
+    """What context parallelism refuses in the model the recipe points at (``model.hf_config`` or
+    ``model.pretrained``), asked of the model built on the meta device as the pipeline asks it at setup; a reference
+    model's export is judged by its config's mixer layers."""
+    model, context = recipe.model, recipe.strategy.parallelism.context_parallel_size
+    if model.hf_source() is None or not (isinstance(context, int) and context > 1):
+        return []
+    key = "model.hf_config" if model.hf_config is not None else f"model.pretrained={model.pretrained!r}"
+    reference = reference_model_config(model)
+    if reference is not None:
+        if not reference.mixer_layers:
+            return []
+        return [
+            f"{key}: this export of the reference model has mixer layers {list(reference.mixer_layers)} (its"
+            f" config.json), which run along the whole sequence, and strategy.parallelism.context_parallel_size="
+            f"{context} splits every sequence across ranks; set strategy.parallelism.context_parallel_size=1, or"
+            " fine-tune an export trained with model.mixer_layers=[]"
+        ]
+    from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
+    from lightning_mixedfsdp.recipes.lm import build_hf_model
+    from lightning_mixedfsdp.recipes.schema import PeftSection
+
+    built = build_hf_model(model, PeftSection())  # on the meta device; adapters change no sequence mixer
+    return [f"{key}: {in_recipe_keys(problem)}" for problem in context_parallel_problems(built, context)]
 
 
 def training_data_problems(recipe: Recipe) -> List[str]:

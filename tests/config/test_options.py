@@ -154,7 +154,8 @@ def test_a_flat_name_reaches_its_group_in_configs_keywords_and_recipes(flat: str
         MixedFSDPConfig.from_input({flat: value, **needs}, {}, "test"),
     ]
     if not isinstance(value, dict):
-        configs.append(load_recipe(None, recipe_overrides, launching=False).mixed_fsdp_config())
+        # parallel=False: the name's routing, not whether the default model and world could run the value
+        configs.append(load_recipe(None, recipe_overrides, launching=False, parallel=False).mixed_fsdp_config())
     for config in configs:
         assert getattr(getattr(config, group), option) == value
         assert getattr(config, group) == getattr(expected, group)

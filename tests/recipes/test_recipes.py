@@ -1,6 +1,7 @@
 """Recipe files: merge precedence, typos rejected, every problem at once, each with its fix: the recipe file, the data
 and the machine, all checked before any process starts. (The main job end to end: ``test_runner.py``.)"""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,80 @@ def test_a_logger_whose_package_is_missing_names_the_install(monkeypatch: pytest
 def test_a_context_parallel_sequence_length_must_split_into_its_chunks() -> None:
     with pytest.raises(RecipeError, match=r"data.seq_len=102 must divide into 2 x .*context_parallel_size = 4 chunks"):
         load_recipe(None, ["strategy.parallelism.context_parallel_size=2", "data.seq_len=102"], launching=False)
+
+
+WORLD = "(trainer.devices=2 x trainer.num_nodes=1 = 2)"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["strategy.data_parallel_size=4"],
+            "the sizes `strategy.data_parallel_replicate_size=1`, `strategy.data_parallel_size=4` and"
+            f" `tensor_parallel_size=1` multiplied should equal the world size {WORLD}; change the sizes or the number"
+            " of trainer.devices/trainer.num_nodes",
+        ),
+        (
+            ["strategy.parallelism.context_parallel_size=3", "data.seq_len=96", "model.mixer_layers=[]"],
+            f"strategy.parallelism.context_parallel_size=3 must divide the world size {WORLD}; use a divisor of it",
+        ),
+        (
+            [
+                "trainer.devices=4",
+                "strategy.parallelism.context_parallel_size=2",
+                "strategy.parallelism.expert_parallel_size=2",
+                "model.mixer_layers=[]",
+            ],
+            "strategy.parallelism.context_parallel_size=2 with strategy.parallelism.expert_parallel_size=2 is not"
+            " supported",
+        ),
+        (["strategy.data_parallel_replicate_size=0"], "strategy.data_parallel_replicate_size=0 must be an int >= 1"),
+    ],
+    ids=["sizes_multiply_to_the_world", "cp_divides_the_world", "cp_with_ep", "replicate_positive"],
+)
+def test_mesh_sizes_the_strategy_refuses_at_setup_are_refused_before_launch_in_recipe_keys(
+    overrides: list, message: str
+) -> None:
+    """ParallelDims' own problems (what the strategy raises once its processes run), named by the recipe keys."""
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, overrides)
+    assert f"- {message}" in str(error.value) or f"1 problem: {message}" in str(error.value)
+
+
+def test_the_reference_models_mixer_layers_under_context_parallelism_are_refused_with_the_fix() -> None:
+    main_job, context = str(ROOT / "conf" / "stdlib_llama.yaml"), "strategy.parallelism.context_parallel_size=2"
+    with pytest.raises(RecipeError) as error:
+        load_recipe(main_job, [context])
+    assert str(error.value) == (
+        "Recipe has 1 problem: model.mixer_layers=[1]: a Mamba-style mixer runs along the whole sequence, and"
+        " strategy.parallelism.context_parallel_size=2 splits every sequence across ranks (only attention runs on"
+        " split sequences, as ring attention); set model.mixer_layers=[] (attention in every layer, as"
+        " conf/stdlib_llama_long.yaml) or strategy.parallelism.context_parallel_size=1"
+    )
+    load_recipe(main_job, [context, "model.mixer_layers=[]"], launching=False)  # the fix
+
+
+def test_a_reference_export_with_mixer_layers_under_context_parallelism_is_refused(tmp_path: Path) -> None:
+    config = {"model_type": "mixedfsdp_tinyllama", "vocab_size": 256, "dim": 32, "n_layers": 2, "mixer_layers": [1]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [f"model.pretrained={tmp_path}", "strategy.parallelism.context_parallel_size=2"])
+    assert str(error.value) == (
+        f"Recipe has 1 problem: model.pretrained={str(tmp_path)!r}: this export of the reference model has mixer"
+        " layers [1] (its config.json), which run along the whole sequence, and"
+        " strategy.parallelism.context_parallel_size=2 splits every sequence across ranks; set"
+        " strategy.parallelism.context_parallel_size=1, or fine-tune an export trained with model.mixer_layers=[]"
+    )
+
+
+def test_an_hf_models_sequence_mixers_under_context_parallelism_are_refused_naming_the_modules() -> None:
+    """Asked of the model built on the meta device, as the pipeline asks it at setup; an attention-only HF model
+    passes."""
+    context = "strategy.parallelism.context_parallel_size=2"
+    with pytest.raises(RecipeError) as error:
+        load_recipe(str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml"), [context], launching=False)
+    message = str(error.value)
+    assert message.startswith("Recipe has 1 problem: model.hf_config: strategy.parallelism.context_parallel_size=2")
+    assert "'model.layers.0.linear_attn'" in message and "strategy.parallelism.context_parallel_size=1" in message
+    load_recipe(str(ROOT / "conf" / "hf_llama_qlora_tiny.yaml"), [context], launching=False)

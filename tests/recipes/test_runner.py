@@ -1,7 +1,7 @@
 """The runner as a user runs it (``python -m lightning_mixedfsdp.train`` in a subprocess, 2 CPU processes) on the main
 job at tiny sizes: one uninterrupted run, one stopped by SIGTERM to its process group and resumed, the finished run
 extended; then what each left behind (losses, checkpoints, export, plot, metrics, console log). Refusals that happen
-before any process starts run in this process."""
+before any process starts run in this process, except one run of the whole command (nothing may start for them)."""
 
 import os
 import re
@@ -333,6 +333,43 @@ def test_resume_takes_overrides_before_or_after_it(tmp_path: Path, capsys: Any) 
         with pytest.raises(SystemExit):
             main(argv)
         assert f"is at step {STEPS} and trainer.max_steps={STEPS}: the run is done" in capsys.readouterr().err
+
+
+def test_what_the_strategy_and_the_pipeline_would_refuse_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    """The main job with a context-parallel size the 2 processes and the mixer layer cannot take: the mesh sizes, the
+    mixer and the sequence length, each a line naming the recipe key that fixes it, and no process started."""
+    output = tmp_path / "run"
+    completed = subprocess.run(
+        command("--config", RECIPE, "strategy.parallelism.context_parallel_size=3", f"output.dir={output}"),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = completed.stdout + completed.stderr
+    assert completed.returncode == 2, out[-5000:]
+    assert "Traceback" not in out and "Initializing distributed" not in out and "dtype plan" not in out
+    problems = [line for line in completed.stderr.splitlines() if line.startswith("  - ")]
+    assert completed.stderr.startswith("Recipe has 4 problems:\n") and len(problems) == 4, out[-5000:]
+    assert "data.seq_len=128 must divide into 2 x strategy.parallelism.context_parallel_size = 6 chunks" in problems[0]
+    assert "multiplied should equal the world size (trainer.devices=2 x trainer.num_nodes=1 = 2)" in problems[1]
+    assert "strategy.parallelism.context_parallel_size=3 must divide the world size" in problems[2]
+    assert "set model.mixer_layers=[]" in problems[3]
+    assert not output.exists()  # no run folder, no console log: nothing started
+
+
+def test_the_dry_run_refuses_what_a_launch_would(tmp_path: Path, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*TINY, f"output.dir={tmp_path}", "strategy.parallelism.context_parallel_size=2", "--dry-run"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("Recipe has 1 problem: model.mixer_layers=[1]: ") and "dtype plan" not in (
+        captured.out
+    )
 
 
 HUNG = """
