@@ -19,7 +19,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.mesh import ParallelDims
 from lightning_mixedfsdp.planning.memory import (
     ActivationShape,
     MemoryEstimate,
@@ -37,6 +39,7 @@ from lightning_mixedfsdp.planning.report import (
 )
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
+from lightning_mixedfsdp.recipes.loader import in_recipe_keys
 
 
 def build_on_meta(config: Any) -> nn.Module:
@@ -167,7 +170,7 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.recipe:
         from lightning_mixedfsdp.recipes.loader import load_recipe
 
-        recipe = load_recipe(args.recipe, launching=False)
+        recipe = load_recipe(args.recipe, launching=False, parallel=False)  # sizes from the flags, checked below
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
@@ -184,11 +187,11 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.context_parallel is not None:
         config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
     experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
-    problems = [
-        f"--expert-parallel {experts}: {p}"
-        for p in config.problems()
-        if p.startswith("parallelism.expert_parallel_size")
-    ]
+    flags = {
+        "parallelism.expert_parallel_size": f"--expert-parallel {experts}",
+        "parallelism.context_parallel_size": f"--context-parallel {context}",
+    }
+    problems = [f"{flag}: {p}" for p in config.problems() for key, flag in flags.items() if p.startswith(key)]
     if hf_source is None:
         problems.append("no model: pass --hf-config PATH (or a --recipe whose model names an HF config)")
     if args.lora_rank is not None and args.lora_rank < 1:
@@ -197,19 +200,33 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         problems.append(f"--{precision_problem(precision)}")
     if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
         problems.append(f"--world-size {args.world_size} must be a positive multiple of --replicate {replicate}")
-    elif isinstance(experts, int) and experts > 1 and (args.world_size // replicate) % experts:
-        problems.append(
-            f"--expert-parallel {experts} must divide the shard ranks (--world-size {args.world_size} / --replicate"
-            f" {replicate})"
-        )
-    elif not (isinstance(context, int) and context >= 1 and (args.world_size // replicate) % context == 0):
-        problems.append(
-            f"--context-parallel {context} must be >= 1 and divide the ranks of a replica (--world-size"
-            f" {args.world_size} / --replicate {replicate})"
-        )
+    elif min(experts, context) >= 1:
+        problems += mesh_problems(args.world_size, replicate, experts, context)
     if problems:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + "; ".join(problems))
     return load_hf_config(hf_source), config, precision, replicate
+
+
+FLAGS = {
+    "data_parallel_replicate_size": "--replicate",
+    "context_parallel_size": "--context-parallel",
+    "expert_parallel_size": "--expert-parallel",
+}
+"""The strategy's size names and the flags that set them here (``--context-parallel=3`` is a flag as written)."""
+
+
+def mesh_problems(world_size: int, replicate: int, experts: int, context: int) -> List[str]:
+    """What the strategy would refuse of these sizes at launch (``ParallelDims``), in the flags' names."""
+    problems = ParallelDims.resolve_problems(
+        world_size, world_size, replicate=replicate, expert_parallel=experts, context_parallel=context
+    )
+    world = f"--world-size {world_size}"
+    return [
+        in_recipe_keys(p, FLAGS)
+        .replace(f"world size ({world_size})", f"world size ({world})")
+        .replace("the number of devices/nodes", world)
+        for p in problems
+    ]
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
@@ -219,6 +236,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     model = build_on_meta(hf_config)
     if args.lora_rank is not None:
         model = with_lora(model, args.lora_rank, args.lora_targets)
+    context = config.parallelism.context_parallel_size
+    refused = context_parallel_problems(model, context)  # what the pipeline refuses at setup
+    if refused:
+        raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
@@ -226,7 +247,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(format_plan(plan))
     print()
     print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
-    context = config.parallelism.context_parallel_size
     lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory)
     if lines:
         print("\n".join(lines))

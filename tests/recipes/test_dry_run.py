@@ -175,8 +175,22 @@ def test_context_parallelism_in_the_dry_run_splits_the_activations_and_lengthens
 
 
 def test_a_context_parallel_size_that_does_not_divide_the_ranks_is_refused_before_planning() -> None:
+    """The strategy's own size check (``ParallelDims``), in the flags' names."""
     from lightning_mixedfsdp.recipes.dry_run import main
 
     config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
-    with pytest.raises(SystemExit, match=r"--context-parallel 3 must be >= 1 and divide the ranks of a replica"):
+    with pytest.raises(SystemExit) as error:
         main(["--hf-config", config, "--world-size", "8", "--context-parallel", "3"])
+    assert "--context-parallel=3 must divide the world size (--world-size 8); use a divisor of it" in str(error.value)
+
+
+def test_a_model_context_parallelism_refuses_is_refused_before_planning(capsys: Any) -> None:
+    """The pipeline's refusal at setup (a sequence mixer that is not attention), asked of the meta model."""
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    recipe = str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml")
+    with pytest.raises(SystemExit) as error:
+        main(["--recipe", recipe, "--world-size", "8", "--context-parallel", "2"])
+    message = str(error.value)
+    assert message.startswith("python -m lightning_mixedfsdp.plan: --context-parallel=2 ")
+    assert "'model.layers.0.linear_attn'" in message and "dtype plan" not in capsys.readouterr().out
