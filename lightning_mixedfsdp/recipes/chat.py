@@ -15,7 +15,8 @@ header line per message and ``<|end|>`` after each."""
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-IGNORE_INDEX = -100
+from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
+
 ROLES = ("system", "user", "assistant")
 
 BYTE_END_OF_TURN = "<|end|>"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_mixedfsdp.apply.context_parallel import IGNORE_INDEX
+from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.lm import CausalLM
 from lightning_mixedfsdp.recipes.models import TinyLlama
 

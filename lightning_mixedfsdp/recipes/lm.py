@@ -13,6 +13,7 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_labels
+from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.inputs import reference_model_config
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
@@ -63,7 +64,7 @@ class CausalLM(pl.LightningModule):
         self.model: Optional[nn.Module] = TinyLlama(reference) if reference is not None else None
         self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
-        self.held_out_perplexity = Perplexity(ignore_index=-100)
+        self.held_out_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.perplexities: Dict[str, float] = {}
 
     @override
@@ -128,7 +129,7 @@ class CausalLM(pl.LightningModule):
         else:
             logits, labels = self._split_logits(tokens, context)
             summed = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-            loss = context.loss(summed, (shifted_labels(tokens) != -100).sum())
+            loss = context.loss(summed, (shifted_labels(tokens) != IGNORE_INDEX).sum())
         self.log("train_loss", loss, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
         return loss
