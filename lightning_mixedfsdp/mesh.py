@@ -9,7 +9,7 @@ sequences. Expert parallelism splits the shard ranks into ``expert_data_parallel
 """
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, List, Literal, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Literal, Optional, Tuple, TypeVar, Union
 
 from torch import nn
 
@@ -119,7 +119,7 @@ class ParallelDims:
         nodes, which is the same when tensor parallelism is ``"auto"``)."""
         check_sizes(data_parallel_size, replicate, tensor_parallel_size, owner)
         sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
-        dims = cls._resolved(world_size, devices_per_node, *sizes)
+        dims = cls(*_resolved_sizes(world_size, devices_per_node, *sizes))
         dims.validate(world_size, owner)
         return dims
 
@@ -141,27 +141,8 @@ class ParallelDims:
         if problems:
             return problems
         sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
-        dims = cls._resolved(world_size, devices_per_node, *sizes)
+        dims = cls(*_resolved_sizes(world_size, devices_per_node, *sizes))
         return dims.problems(world_size)
-
-    @classmethod
-    def _resolved(
-        cls,
-        world_size: int,
-        devices_per_node: int,
-        data_parallel_size: MeshSize,
-        replicate: int,
-        tensor_parallel_size: MeshSize,
-        expert_parallel: int,
-        context_parallel: int,
-    ) -> "ParallelDims":
-        """The sizes with ``"auto"`` resolved, not validated."""
-        tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
-        if data_parallel_size == "auto":
-            shard = max(world_size // (replicate * tensor_parallel * context_parallel), 1)
-        else:
-            shard = int(data_parallel_size)
-        return cls(replicate, shard, tensor_parallel, expert_parallel, context_parallel)
 
     @property
     def data_parallel(self) -> int:
@@ -271,6 +252,24 @@ class ParallelDims:
         if self.expert_parallel > 1:
             meshes = replace(meshes, experts=expert_meshes(self, device_type, meshes.root[TENSOR_PARALLEL]))
         return meshes
+
+
+def _resolved_sizes(
+    world_size: int,
+    devices_per_node: int,
+    data_parallel_size: MeshSize,
+    replicate: int,
+    tensor_parallel_size: MeshSize,
+    expert_parallel: int,
+    context_parallel: int,
+) -> Tuple[int, int, int, int, int]:
+    """``ParallelDims``' fields with ``"auto"`` sizes resolved, not validated."""
+    tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
+    if data_parallel_size == "auto":
+        shard = max(world_size // (replicate * tensor_parallel * context_parallel), 1)
+    else:
+        shard = int(data_parallel_size)
+    return replicate, shard, tensor_parallel, expert_parallel, context_parallel
 
 
 def context_parallel_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:

@@ -119,24 +119,31 @@ def apply_plan(
     ignored = {replica.param for replica in replicas}
     offload = options.memory.offload == "cpu"
     for group in plan.sharded_groups:
-        trainable = any(plan.params[name].requires_grad for name in group.params)
-        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, trainable)
+        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, plan.trains(group))
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))
     if meshes.context_parallel is not None:
-        context = context_parallel or ContextParallel(
-            meshes.context_parallel, options.parallelism.context_parallel_rotate
-        )
-        handles.extend(apply_ring_attention_span(model, tracker, context, attention_modules(model)))
-        if is_hf_model(model) or is_peft_model(model):
-            handles.extend(apply_context_parallel(model, context))
+        rotate = options.parallelism.context_parallel_rotate
+        context = context_parallel or ContextParallel(meshes.context_parallel, rotate)
+        handles.extend(apply_context_parallel_hooks(model, tracker, context))
     if cross_replica_reduce is not None:
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
     if float8_after_step is not None:
         applied.after_step.append(float8_after_step)
     return model, applied
+
+
+def apply_context_parallel_hooks(
+    model: nn.Module, tracker: StepTracker, context: ContextParallel
+) -> List[RemovableHandle]:
+    """Ring attention from a forward's ``split`` to its backward's end, each split forward's ring calls checked against
+    the model's attention modules; an HF causal LM's calls split at each call."""
+    handles = apply_ring_attention_span(model, tracker, context, attention_modules(model))
+    if is_hf_model(model) or is_peft_model(model):
+        handles.extend(apply_context_parallel(model, context))
+    return handles
 
 
 def check_experts_not_sharded_by_user(plan: ShardPlan) -> None:

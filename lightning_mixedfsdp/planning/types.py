@@ -159,6 +159,10 @@ class ShardPlan:
     trainable param would get other dtypes: made trainable after setup they would train without what the precision
     promises, so doing so is refused at the next forward (``apply/unfreeze.py``)."""
 
+    def trains(self, group: ShardGroup) -> bool:
+        """Whether any of ``group``'s params requires grad at setup."""
+        return any(self.params[name].requires_grad for name in group.params)
+
     def cross_replica_reductions(self) -> Dict[torch.dtype, int]:
         """With fault tolerance: the all-reduces across replica groups per step, by reduce dtype (one per trainable
         sharded group, one per replicated bucket); empty without."""

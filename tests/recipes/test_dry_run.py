@@ -193,4 +193,4 @@ def test_a_model_context_parallelism_refuses_is_refused_before_planning(capsys: 
         main(["--recipe", recipe, "--world-size", "8", "--context-parallel", "2"])
     message = str(error.value)
     assert message.startswith("python -m lightning_mixedfsdp.plan: --context-parallel=2 ")
-    assert "'model.layers.0.linear_attn'" in message and "dtype plan" not in capsys.readouterr().out
+    assert "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message and "dtype plan" not in capsys.readouterr().out

@@ -243,5 +243,5 @@ def test_an_hf_models_sequence_mixers_under_context_parallelism_are_refused_nami
         load_recipe(str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml"), [context], launching=False)
     message = str(error.value)
     assert message.startswith("Recipe has 1 problem: model.hf_config: strategy.parallelism.context_parallel_size=2")
-    assert "'model.layers.0.linear_attn'" in message and "strategy.parallelism.context_parallel_size=1" in message
+    assert "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message and "strategy.parallelism.context_parallel_size=1" in message
     load_recipe(str(ROOT / "conf" / "hf_llama_qlora_tiny.yaml"), [context], launching=False)
