@@ -12,9 +12,13 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Dict, Optional, TextIO, Union
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lightning_mixedfsdp.strategies.lightning_compat import rich_available
 
 _REDRAW = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhl]|\r(?!\n)")
 """Cursor movement, erasing, showing or hiding the cursor, a carriage return that rewrites the line."""
@@ -85,3 +89,28 @@ def keep_console(run_folder: Path, rank: int) -> Path:
             if isinstance(handler, logging.StreamHandler) and id(handler.stream) in tees:
                 handler.setStream(tees[id(handler.stream)])
     return log.path
+
+
+class _WithoutVersion(ProgressBar):
+    """A progress bar without the logger's version (Lightning's ``v_num``): the run folder's ``logs/version_N``
+    already says which launch it is, and Rich's bar prints the number as a float (``v_num: 0.000``)."""
+
+    def get_metrics(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule"
+    ) -> Dict[str, Union[int, str, float, Dict[str, float]]]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+
+class RichBar(_WithoutVersion, RichProgressBar):
+    """Rich's progress bar without ``v_num``."""
+
+
+class TQDMBar(_WithoutVersion, TQDMProgressBar):
+    """tqdm's progress bar without ``v_num``."""
+
+
+def progress_bar() -> ProgressBar:
+    """The bar the Trainer would pick by itself (Rich's where rich is installed, else tqdm's), without ``v_num``."""
+    return RichBar() if rich_available() else TQDMBar()

@@ -13,6 +13,7 @@ LAST = "last.ckpt"
 _NUMBERED = re.compile(r"^step=(\d+)\.ckpt$")
 _LIGHTNING_HPC = re.compile(r"^hpc_ckpt_\d+\.ckpt$")
 """Lightning's SLURM auto-requeue saves ``hpc_ckpt_N.ckpt`` in the Trainer's ``default_root_dir`` (the run folder)."""
+_LOG_VERSION = re.compile(r"^version_(\d+)$")
 _META = "meta.pt"
 """What Lightning's ``ModelParallelStrategy`` writes beside a DCP checkpoint's shards: the loop state, global step
 included (its ``_METADATA_FILENAME``)."""
@@ -49,6 +50,12 @@ class RunFolder:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    def next_log_version(self) -> int:
+        """The ``logs/version_N`` this launch writes: one past the highest a launch left there. Every logger of the
+        launch takes this one number, so the CSV log and TensorBoard's events land in the same folder."""
+        taken = [int(m.group(1)) for p in self.logs.glob("version_*") if (m := _LOG_VERSION.match(p.name))]
+        return max(taken, default=-1) + 1
 
     @property
     def export(self) -> Path:

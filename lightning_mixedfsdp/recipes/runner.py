@@ -37,7 +37,7 @@ from lightning_mixedfsdp.recipes.chat import BYTE_CHAT_TEMPLATE
 from lightning_mixedfsdp.recipes.chat_corpus import ChatCorpus
 from lightning_mixedfsdp.recipes.chat_lm import ChatLM
 from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
-from lightning_mixedfsdp.recipes.console import keep_console, process_rank
+from lightning_mixedfsdp.recipes.console import keep_console, process_rank, progress_bar
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
 from lightning_mixedfsdp.recipes.inputs import reference_model_config
 from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
@@ -80,7 +80,7 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
 
 
 def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
-    output = run_folder(recipe).root
+    folder = run_folder(recipe)
     kwargs = recipe.strategy_kwargs()
     kwargs["config"] = strategy_config(recipe)
     return pl.Trainer(
@@ -97,10 +97,10 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
         check_val_every_n_epoch=None,
         num_sanity_val_steps=-1,  # the whole held-out set before training: the untrained perplexity
         log_every_n_steps=recipe.trainer.log_every_n_steps,
-        logger=build_loggers(recipe.trainer.logger, output),
-        callbacks=[checkpoints, *monitors(recipe)],
+        logger=build_loggers(recipe.trainer.logger, folder),
+        callbacks=[checkpoints, *monitors(recipe), progress_bar()],
         enable_checkpointing=False,  # RunCheckpoints saves
-        default_root_dir=output,  # where Lightning's SLURM requeue saves hpc_ckpt_N.ckpt, which resume_from finds
+        default_root_dir=folder.root,  # where Lightning's SLURM requeue saves hpc_ckpt_N.ckpt, which resume_from finds
         use_distributed_sampler=False,  # the data module shards its own resumable stream
         enable_model_summary=False,
     )
@@ -114,17 +114,21 @@ def monitors(recipe: Recipe) -> List[PrecisionMonitor]:
     return [PrecisionMonitor(settings.every_n_steps, settings.threshold, settings.patience)]
 
 
-def build_loggers(choice: str, output: Path) -> List[Logger]:
-    """The CSV log (``logs/version_N/metrics.csv``, which the plot reads) and the logger ``trainer.logger`` adds."""
-    loggers: List[Logger] = [CSVLogger(output, name="logs")]
+def build_loggers(choice: str, folder: RunFolder) -> List[Logger]:
+    """The CSV log (``logs/version_N/metrics.csv``, which the plot reads) and the logger ``trainer.logger`` adds, all
+    with the launch's one version: TensorBoard's events in the same ``logs/version_N``, the W&B run named after it
+    (each logger picking its own next version would put TensorBoard one past the folder the CSV log just made)."""
+    version = folder.next_log_version()
+    loggers: List[Logger] = [CSVLogger(folder.root, name="logs", version=version)]
     if choice == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        loggers.append(TensorBoardLogger(output, name="logs"))
+        loggers.append(TensorBoardLogger(folder.root, name="logs", version=version))
     elif choice == "wandb":
         from lightning.pytorch.loggers import WandbLogger
 
-        loggers.append(WandbLogger(save_dir=str(output), project="lightning_mixedfsdp", name=output.name))
+        name = f"{folder.root.name} version_{version}"
+        loggers.append(WandbLogger(save_dir=str(folder.root), project="lightning_mixedfsdp", name=name))
     return loggers
 
 

@@ -23,6 +23,14 @@ def lightning_metadata_filename() -> str:
     return str(_METADATA_FILENAME)
 
 
+def rich_available() -> bool:
+    """Whether the Trainer's default progress bar is Rich's (``lightning.pytorch.utilities.imports._RICH_AVAILABLE``:
+    rich installed in the version Lightning needs); tqdm's otherwise. The runner's bar makes the same choice."""
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    return bool(_RICH_AVAILABLE)
+
+
 def unwrap_fabric_module(module: nn.Module) -> Optional[nn.Module]:
     """The user's module inside Fabric's ``_FabricModule`` (its private ``_forward_module``, which Lightning's own
     strategies unwrap the same way); None for any other module. Registered with ``model/names.py`` when the strategies
