@@ -1,12 +1,15 @@
 """The dry-run planner: the dtype plan, collectives and per-rank memory of a model at a given scale, before renting
 the GPUs. The model is built on the meta device from its HF config: nothing is allocated, 70B-120B configs plan in
 well under a second (0.12 s for Llama-3-70B; the command takes a few seconds more to import torch and transformers).
+--hf-config takes a config.json or a model directory holding one; the examples run from the project's root:
 
-    python -m lightning_mixedfsdp.plan --hf-config config.json --world-size 64 --gpu-memory 80
-    python -m lightning_mixedfsdp.plan --hf-config model_dir --world-size 512 --replicate 64 --precision bf16-mixed
+    python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/llama3_8b.json --world-size 64 --gpu-memory 80
+    python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/llama3_70b.json --world-size 512 \
+        --replicate 64 --precision bf16-mixed
     python -m lightning_mixedfsdp.plan --recipe conf/hf_qwen3_next_tiny.yaml --world-size 8
-    python -m lightning_mixedfsdp.plan --hf-config gpt_oss_120b.json --world-size 64 --expert-parallel 8
-    python -m lightning_mixedfsdp.plan --hf-config llama3_70b.json --world-size 8 --gpu-memory 24 \
+    python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/gpt_oss_120b.json --world-size 64 \
+        --expert-parallel 8
+    python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/llama3_70b.json --world-size 8 --gpu-memory 24 \
         --lora-rank 16 --quantize-base nf4 --offload cpu
 """
 

@@ -193,4 +193,26 @@ def test_a_model_context_parallelism_refuses_is_refused_before_planning(capsys: 
         main(["--recipe", recipe, "--world-size", "8", "--context-parallel", "2"])
     message = str(error.value)
     assert message.startswith("python -m lightning_mixedfsdp.plan: --context-parallel=2 ")
-    assert "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message and "dtype plan" not in capsys.readouterr().out
+    assert (
+        "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message and "dtype plan" not in capsys.readouterr().out
+    )
+
+
+def test_every_example_in_the_help_names_files_that_exist_from_the_project_root(
+    capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shlex
+
+    from lightning_mixedfsdp.recipes.dry_run import _parse, _settings
+
+    with pytest.raises(SystemExit):
+        _parse(["--help"])
+    help_text = capsys.readouterr().out.replace("\\\n", " ")  # continued lines joined, as the shell does
+    examples = [line.split() for line in help_text.splitlines() if "python -m lightning_mixedfsdp.plan --" in line]
+    assert len(examples) == 5
+    monkeypatch.chdir(ROOT)  # copied into a shell at the project's root
+    for example in examples:
+        args = _parse(shlex.split(" ".join(example))[3:])
+        named = [path for path in (args.hf_config, args.recipe) if path is not None]
+        assert named and all(Path(path).is_file() for path in named), example
+        _settings(args)  # the config and the recipe load, the flags agree
