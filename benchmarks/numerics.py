@@ -17,6 +17,7 @@ from torchmetrics.text import Perplexity
 from benchmarks.common import device_type, init_process_group
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
+from lightning_mixedfsdp.compat.extras import missing_message
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
 from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
@@ -101,7 +102,7 @@ def plot(results: Dict[str, Any], path: Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install -e '.[plot]'): no plot written")
+        print(f"{missing_message('matplotlib', 'the plot')}; no plot written")
         return False
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for run, result in results.items():

@@ -309,7 +309,6 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     rank must call it; rank 0 writes. The adapter keeps its storage dtype (fp32 master weights under ``bf16-mixed``).
     """
     import torch.distributed as dist
-    from peft.utils import get_peft_model_state_dict
 
     model = unwrap_model(model)
     if not is_peft_model(model):
@@ -317,6 +316,8 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
             f"export_adapter: {type(model).__name__} is not a PEFT model; use export_safetensors for its weights, or"
             " wrap the model with peft.get_peft_model before setup."
         )
+    from peft.utils import get_peft_model_state_dict  # a PEFT model: its code imported peft
+
     adapter: str = model.active_adapter
     # the adapter's tensors alone are gathered (they are small: whole): the base never leaves its shards
     state = {p.name: _whole(p) for p in _export_tensors(model) if "lora_" in p.name}

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_mixedfsdp.compat.extras import installed, optional_import
+
 NF4_BLOCK = 64
 """Weights per 4-bit block, each block with one int8 scaler (QLoRA's and torchao's default)."""
 NF4_SCALER_BLOCK = 256
 """Scalers per double-quantization block, each with one quantization factor in the weight's dtype."""
-INSTALL_LINE = "pip install 'lightning-mixedfsdp[qlora]'  (or: pip install torchao)"
-FLOAT8_INSTALL_LINE = "pip install 'lightning-mixedfsdp[float8]'  (or: pip install torchao)"
 
 
 def _nf4_module() -> ModuleType:
@@ -29,24 +29,14 @@ def _nf4_module() -> ModuleType:
         return nf4_tensor
     except ImportError:
         pass
-    try:
+    with optional_import("torchao", "quantize_base='nf4'", "qlora"):
         from torchao.dtypes import nf4tensor  # torchao <= 0.17
-
-        return nf4tensor
-    except ImportError as err:
-        raise ImportError(
-            f"quantize_base='nf4' needs torchao's NF4 tensor, which is not installed: {INSTALL_LINE}"
-        ) from err
+    return nf4tensor
 
 
 def torchao_installed() -> bool:
     """Whether torchao can be imported (found on the path, without importing it)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("torchao") is not None
-    except (ImportError, ValueError):  # blocked as None in sys.modules, or a broken package
-        return False
+    return installed("torchao")
 
 
 def check_torchao() -> None:
@@ -114,17 +104,16 @@ def float8_linear_config(recipe: str, emulate: bool, fsdp_float8_all_gather: boo
     all-gather (tensorwise only; then each optimizer step is followed by :func:`precompute_float8_scales`)."""
     from dataclasses import replace
 
-    try:
+    with optional_import("torchao", "float8 training", "float8"):
         from torchao.float8 import Float8LinearConfig
-    except ImportError as err:
-        raise ImportError(f"float8 training needs torchao, which is not installed: {FLOAT8_INSTALL_LINE}") from err
     config = Float8LinearConfig.from_recipe_name(recipe)
     return replace(config, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
 
 
 def convert_to_float8(module: Any, config: Any, keep: Any) -> None:
     """``convert_to_float8_training`` of the Linear layers ``keep(module, fqn)`` accepts, in place."""
-    from torchao.float8 import convert_to_float8_training
+    with optional_import("torchao", "float8 training", "float8"):
+        from torchao.float8 import convert_to_float8_training
 
     convert_to_float8_training(module, config=config, module_filter_fn=keep)
 
@@ -132,6 +121,7 @@ def convert_to_float8(module: Any, config: Any, keep: Any) -> None:
 def precompute_float8_scales(module: Any) -> None:
     """One all-reduce of every float8 weight's amax after an optimizer step, for FSDP2's float8 all-gather
     (``precompute_float8_dynamic_scale_for_fsdp``)."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    with optional_import("torchao", "float8 training", "float8"):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(module)

@@ -15,17 +15,16 @@ from typing import Any, Callable, Dict
 import torch
 from torch import Tensor
 
-INSTALL_LINE = "pip install 'lightning-mixedfsdp[ft]'  (or: pip install torchft==0.2.0)"
+from lightning_mixedfsdp.compat.extras import optional_import
+
 LIGHTHOUSE_LINE = "torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000"
 """The command that starts a lighthouse (the ``torchft_lighthouse`` script of the torchft the trainers import)."""
 
 
 def check_torchft(owner: str) -> None:
     """Raise an ImportError naming ``owner`` with the install line when torchft cannot be imported."""
-    try:
+    with optional_import("torchft", f"{owner}: fault_tolerance"):
         import torchft  # noqa: F401
-    except ImportError as err:
-        raise ImportError(f"{owner}: fault_tolerance needs torchft, which is not installed: {INSTALL_LINE}") from err
 
 
 def make_manager(
@@ -44,7 +43,8 @@ def make_manager(
     """torchft's ``Manager`` for this rank of a replica group, with a synchronous quorum (a heal lands before the
     step's forward), over gloo on a CPU and NCCL on a GPU. The group's TCPStore is the launcher's (MASTER_ADDR and
     MASTER_PORT), as torchft expects."""
-    from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    with optional_import("torchft", "fault_tolerance"):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
     timeout = timedelta(seconds=timeout_s)
     process_group = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -73,7 +73,8 @@ def all_reduce_average(manager: Any, tensor: Tensor) -> None:
 def lighthouse_server(min_replicas: int, join_timeout_ms: int, quorum_tick_ms: int, heartbeat_timeout_ms: int) -> Any:
     """torchft's lighthouse in this process (``torchft.coordination.LighthouseServer``), on a free port; its
     ``address()`` is the URL the replica groups join, ``shutdown()`` stops it. For tests and benchmarks."""
-    from torchft.coordination import LighthouseServer
+    with optional_import("torchft", "a lighthouse"):
+        from torchft.coordination import LighthouseServer
 
     return LighthouseServer(
         bind="[::]:0",

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
+from lightning_mixedfsdp.compat.extras import MissingPackage, optional_import
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.mesh import ParallelDims
 from lightning_mixedfsdp.planning.memory import (
@@ -54,7 +55,8 @@ def build_on_meta(config: Any) -> nn.Module:
 
 def with_lora(model: nn.Module, rank: int, targets: Optional[List[str]]) -> nn.Module:
     """peft LoRA adapters of ``rank`` on ``targets`` (default: every Linear but the head), built on meta too."""
-    from peft import LoraConfig, get_peft_model
+    with optional_import("peft", "--lora-rank"):
+        from peft import LoraConfig, get_peft_model
 
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or "all-linear"))
 
@@ -238,7 +240,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     start = time.perf_counter()
     model = build_on_meta(hf_config)
     if args.lora_rank is not None:
-        model = with_lora(model, args.lora_rank, args.lora_targets)
+        try:
+            model = with_lora(model, args.lora_rank, args.lora_targets)
+        except MissingPackage as missing:
+            raise SystemExit(f"python -m lightning_mixedfsdp.plan: {missing}") from None
     context = config.parallelism.context_parallel_size
     refused = context_parallel_problems(model, context)  # what the pipeline refuses at setup
     if refused:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from lightning_mixedfsdp.compat.extras import installed, missing_message
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
 
@@ -261,14 +262,17 @@ def _text_format(data: DataSection) -> bool:
     return resolved_format(data) == "text"
 
 
-def logger_problems(choice: str) -> List[str]:
-    """The package ``trainer.logger`` needs, when it is missing."""
-    import importlib.util
-
+def package_problems(recipe: Recipe) -> List[str]:
+    """The optional packages the recipe needs and this machine lacks: peft for LoRA, the package ``trainer.logger``
+    needs; each with its install line."""
+    problems = []
+    if recipe.peft.enabled and not installed("peft"):
+        problems.append(missing_message("peft", "peft.enabled=true"))
+    choice = recipe.trainer.logger
     needs = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(choice, ())
-    if needs and not any(importlib.util.find_spec(name) is not None for name in needs):
-        return [f"trainer.logger={choice!r} needs the {needs[0]} package: pip install {needs[0]}"]
-    return []
+    if needs and not any(installed(name) for name in needs):
+        problems.append(missing_message(needs[0], f"trainer.logger={choice!r}"))
+    return problems
 
 
 def checkpoint_fp32_patterns(directory: str) -> List[str]:

@@ -13,6 +13,7 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_labels
+from lightning_mixedfsdp.compat.extras import optional_import
 from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.inputs import reference_model_config
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
@@ -37,7 +38,8 @@ def build_hf_model(model: ModelSection, peft: PeftSection) -> nn.Module:
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(load_hf_config(model.hf_source()))
         if peft.enabled:
-            from peft import LoraConfig, get_peft_model
+            with optional_import("peft", "peft.enabled=true"):
+                from peft import LoraConfig, get_peft_model
 
             lora = LoraConfig(
                 r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, target_modules=list(peft.target_modules)

@@ -6,7 +6,7 @@ starts."""
 import re
 from typing import List, Mapping, Optional, Sequence
 
-from lightning_mixedfsdp.recipes.inputs import input_problems, logger_problems, reference_model_config
+from lightning_mixedfsdp.recipes.inputs import input_problems, package_problems, reference_model_config
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe
 
 
@@ -32,7 +32,7 @@ def load_recipe(
         if launching:
             problems += accelerator_problems(recipe.trainer)
             problems += strategy_problems(recipe)
-            problems += logger_problems(recipe.trainer.logger)
+            problems += package_problems(recipe)
     if not problems and launching:  # reading the data needs valid files and tokenizer
         problems += training_data_problems(recipe)
     if len(problems) == 1:

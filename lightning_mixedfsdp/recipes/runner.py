@@ -12,7 +12,6 @@ copies within 2 s are the same request, another one later aborts at once.
 """
 
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -31,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
+from lightning_mixedfsdp.compat.extras import MissingPackage, installed
 from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
 from lightning_mixedfsdp.planning.report import format_plan
 from lightning_mixedfsdp.recipes.chat import BYTE_CHAT_TEMPLATE
@@ -315,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args.overrides.append(args.resume)  # `--resume trainer.max_steps=60`: --resume's value is optional
         args.resume = "last"
     quiet_known_warnings()
-    missing = [name for name in RECIPE_PACKAGES if not _installed(name)]
+    missing = [name for name in RECIPE_PACKAGES if not installed(name)]
     if missing and not args.dry_run:
         print(
             f"error: the recipe runner needs {', '.join(missing)}, which the `recipes` extra installs:"
@@ -329,7 +329,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
     if args.dry_run:
-        dry_run(recipe)
+        try:
+            dry_run(recipe)
+        except MissingPackage as missing:  # e.g. peft for LoRA: a training launch is refused by the loader instead
+            print(f"error: {missing}", file=sys.stderr)
+            raise SystemExit(2) from None
         return
     folder = run_folder(recipe)
     fault_tolerant = recipe.strategy.fault_tolerance is not None
@@ -351,13 +355,6 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 RECIPE_PACKAGES = ("matplotlib", "transformers")
 """What the runner needs beyond the library (the run's plot; exports loaded back): the ``recipes`` extra."""
-
-
-def _installed(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a module blocked as None in sys.modules, or a broken package
-        return False
 
 
 def _looks_like_override(value: str) -> bool:

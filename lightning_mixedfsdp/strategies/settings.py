@@ -10,7 +10,8 @@ from lightning_mixedfsdp.config import MixedFSDPConfig
 
 def setting_problems(config: MixedFSDPConfig, device_type: str) -> List[str]:
     """What cannot run with these settings on ``device_type`` (``cpu``, ``cuda``, ...), each with its fix."""
-    from lightning_mixedfsdp.compat.torchao import FLOAT8_INSTALL_LINE, INSTALL_LINE, torchao_installed
+    from lightning_mixedfsdp.compat.extras import missing_message
+    from lightning_mixedfsdp.compat.torchao import torchao_installed
 
     problems = []
     recipe = config.float8.recipe
@@ -21,12 +22,9 @@ def setting_problems(config: MixedFSDPConfig, device_type: str) -> List[str]:
             " them in the compute dtype (float8's numerics, no speed gain), or leave float8 off."
         )
     if recipe is not None and not torchao_installed():
-        problems.append(f"float8.recipe={recipe!r} needs torchao, which is not installed: {FLOAT8_INSTALL_LINE}")
+        problems.append(missing_message("torchao", f"float8.recipe={recipe!r}", "float8"))
     if config.memory.quantize_base is not None and not torchao_installed():
-        problems.append(
-            f"memory.quantize_base={config.memory.quantize_base!r} needs torchao's NF4 tensor, which is not"
-            f" installed: {INSTALL_LINE}"
-        )
+        problems.append(missing_message("torchao", f"memory.quantize_base={config.memory.quantize_base!r}", "qlora"))
     return problems
 
 

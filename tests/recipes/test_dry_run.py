@@ -2,6 +2,7 @@
 2-rank run of a scaled-down twin really allocates."""
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -216,3 +217,16 @@ def test_every_example_in_the_help_names_files_that_exist_from_the_project_root(
         named = [path for path in (args.hf_config, args.recipe) if path is not None]
         assert named and all(Path(path).is_file() for path in named), example
         _settings(args)  # the config and the recipe load, the flags agree
+
+
+def test_lora_rank_without_peft_is_one_line_with_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_mixedfsdp.recipes.dry_run import main
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--hf-config", config, "--world-size", "8", "--lora-rank", "16"])
+    assert str(exit_.value.code) == (
+        "python -m lightning_mixedfsdp.plan: --lora-rank needs peft, which is not installed:"
+        " pip install 'lightning-mixedfsdp[peft]'  (or: pip install peft)"
+    )

@@ -2,7 +2,9 @@
 and the machine, all checked before any process starts. (The main job end to end: ``test_runner.py``.)"""
 
 import json
+import sys
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
@@ -156,13 +158,34 @@ def test_an_unknown_logger_is_refused_with_the_choices() -> None:
         load_recipe(None, ["trainer.logger=mlflow"], launching=False)
 
 
-def test_a_logger_whose_package_is_missing_names_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    import importlib.util
-
-    found = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else found(name, *a))
-    with pytest.raises(RecipeError, match=r"trainer.logger='wandb' needs the wandb package: pip install wandb"):
-        load_recipe(None, ["trainer.logger=wandb"])
+@pytest.mark.parametrize(
+    ("overrides", "packages", "message"),
+    [
+        (
+            ["trainer.logger=wandb"],
+            ["wandb"],
+            r"trainer.logger='wandb' needs wandb, which is not installed: pip install wandb$",
+        ),
+        (
+            ["trainer.logger=tensorboard"],
+            ["tensorboard", "tensorboardX"],
+            r"trainer.logger='tensorboard' needs tensorboard, which is not installed: pip install tensorboard$",
+        ),
+        (
+            ["peft.enabled=true", f"model.hf_config={ROOT / 'benchmarks' / 'configs' / 'llama3_8b.json'}"],
+            ["peft"],
+            r"peft.enabled=true needs peft, which is not installed: pip install 'lightning-mixedfsdp\[peft\]'",
+        ),
+    ],
+    ids=["wandb", "tensorboard", "peft"],
+)
+def test_a_package_the_recipe_needs_is_refused_before_launch_with_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, overrides: List[str], packages: List[str], message: str
+) -> None:
+    for package in packages:
+        monkeypatch.setitem(sys.modules, package, None)  # as if not installed
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, overrides)
 
 
 def test_a_context_parallel_sequence_length_must_split_into_its_chunks() -> None:
@@ -243,5 +266,8 @@ def test_an_hf_models_sequence_mixers_under_context_parallelism_are_refused_nami
         load_recipe(str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml"), [context], launching=False)
     message = str(error.value)
     assert message.startswith("Recipe has 1 problem: model.hf_config: strategy.parallelism.context_parallel_size=2")
-    assert "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message and "strategy.parallelism.context_parallel_size=1" in message
+    assert (
+        "model.layers.0.linear_attn (Qwen3NextGatedDeltaNet)" in message
+        and "strategy.parallelism.context_parallel_size=1" in message
+    )
     load_recipe(str(ROOT / "conf" / "hf_llama_qlora_tiny.yaml"), [context], launching=False)

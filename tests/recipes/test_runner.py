@@ -444,3 +444,19 @@ def test_the_runner_without_the_recipes_extra_says_the_install_line(
         capsys.readouterr().err
     )
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_dry_run_with_lora_without_peft_says_the_install_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from lightning_mixedfsdp.recipes.runner import main
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    config = ROOT / "benchmarks" / "configs" / "llama3_8b.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dry-run", "peft.enabled=true", f"model.hf_config={config}", "trainer.devices=8"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: peft.enabled=true needs peft, which is not installed: pip install 'lightning-mixedfsdp[peft]'  (or:"
+        " pip install peft)\n"
+    )
