@@ -171,9 +171,9 @@ def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.rstrip("\r\n"))  # json's "line 1 column N" then points into this line
                 except json.JSONDecodeError as error:
-                    problems.append(f"data.files: {path}:{number} is not JSON ({error.msg}); fix the line")
+                    problems.append(f"data.files: {path}:{number} is not JSON ({error}); fix the line")
                     break
                 if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__

@@ -92,7 +92,7 @@ def read_records(data: DataSection, fine_tuning_format: str) -> Iterator[Tuple[s
             for number, line in enumerate(lines, start=1):
                 if line.strip():
                     try:
-                        yield f"{path}:{number}", json.loads(line)
+                        yield f"{path}:{number}", json.loads(line.rstrip("\r\n"))  # json's line 1: this line
                     except json.JSONDecodeError as error:
                         yield f"{path}:{number}", error
 
@@ -123,7 +123,7 @@ class ExampleMaker:
     def __call__(self, record: Any) -> Example:
         """The example of ``record``; :class:`ValueError` (with the reason and fix) when it is not one."""
         if isinstance(record, json.JSONDecodeError):
-            raise ValueError(f"is not JSON ({record.msg}); fix the line")
+            raise ValueError(f"is not JSON ({record}); fix the line")
         found = detected_format(record, "\0")
         if found != self.format:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__

@@ -118,6 +118,15 @@ def test_binary_data_files_are_refused_naming_the_file(tmp_path: Path) -> None:
     assert f"data.files: '{latin}' is not UTF-8 text (byte 3)" in message
 
 
+def test_a_jsonl_line_that_is_not_json_is_refused_with_json_s_whole_message(tmp_path: Path) -> None:
+    lines = _write(tmp_path / "train.jsonl", '{"text": "fine"}\n{"text": "a\tb"}\n')
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [f"data.files={lines}"])
+    assert (
+        f"data.files: {lines}:2 is not JSON (Invalid control character at: line 1 column 12 (char 11)); fix the line"
+    ) in str(error.value)
+
+
 def test_too_little_data_is_refused_before_launch_with_the_fix(tmp_path: Path) -> None:
     one = _write(tmp_path / "one.txt", "a single document " * 50)
     with pytest.raises(RecipeError) as error:

@@ -219,7 +219,11 @@ def _chat(user: str = "Hi?", answer: str = "Hello.") -> Dict[str, object]:
 
 
 BAD_INPUTS = {
-    "not JSON": (['{"messages": [', _chat()], [], r"data\.jsonl:1 is not JSON \(.*\); fix the line"),
+    "not JSON": (
+        [_chat(), '{"messages": "a\tb"}'],
+        [],
+        r"data\.jsonl:2 is not JSON \(Invalid control character at: line 1 column 16 \(char 15\)\); fix the line",
+    ),
     "no assistant turn": (
         [_chat(), {"messages": [{"role": "user", "content": "Hi?"}]}],
         [],
