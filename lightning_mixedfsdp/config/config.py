@@ -90,7 +90,7 @@ class MixedFSDPConfig:
             problems.append(
                 f"parallelism.context_parallel_size={self.parallelism.context_parallel_size} with sharding.compile=True"
                 " is not supported: the ring attention's routing runs outside compiled code; set sharding.compile=False"
-                " (or context_parallel_size=1)."
+                " (or parallelism.context_parallel_size=1)."
             )
         if self.fault_tolerance is not None and self.buffers.sync == "average":
             problems.append(

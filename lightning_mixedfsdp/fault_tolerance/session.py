@@ -175,14 +175,22 @@ def check_fault_tolerance(settings: FaultTolerance, owner: str) -> None:
     lighthouse_url(settings, owner)
 
 
+def missing_lighthouse(settings: FaultTolerance) -> Optional[str]:
+    """Why no lighthouse is known (none given, none in ``$TORCHFT_LIGHTHOUSE``), with the fix; None when one is. The
+    recipe loader asks it too, before any launch."""
+    if settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV):
+        return None
+    return (
+        "fault_tolerance has no lighthouse: set fault_tolerance.lighthouse='http://host:29510' or"
+        f" ${LIGHTHOUSE_ENV}, after starting one with `{LIGHTHOUSE_LINE}`."
+    )
+
+
 def lighthouse_url(settings: FaultTolerance, owner: str) -> str:
-    url = settings.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-    if not url:
-        raise ValueError(
-            f"{owner}: fault_tolerance has no lighthouse: set fault_tolerance.lighthouse='http://host:29510' or"
-            f" ${LIGHTHOUSE_ENV}, after starting one with `{LIGHTHOUSE_LINE}`."
-        )
-    return url
+    problem = missing_lighthouse(settings)
+    if problem is not None:
+        raise ValueError(f"{owner}: {problem}")
+    return settings.lighthouse or os.environ[LIGHTHOUSE_ENV]
 
 
 def lighthouse_problem(url: str, timeout_s: float) -> Optional[str]:

@@ -263,11 +263,13 @@ def _text_format(data: DataSection) -> bool:
 
 
 def package_problems(recipe: Recipe) -> List[str]:
-    """The optional packages the recipe needs and this machine lacks: peft for LoRA, the package ``trainer.logger``
-    needs; each with its install line."""
+    """The optional packages the recipe needs and this machine lacks: peft for LoRA, torchft for fault tolerance, the
+    package ``trainer.logger`` needs; each with its install line."""
     problems = []
     if recipe.peft.enabled and not installed("peft"):
         problems.append(missing_message("peft", "peft.enabled=true"))
+    if recipe.strategy.fault_tolerance is not None and not installed("torchft"):
+        problems.append(missing_message("torchft", "strategy.fault_tolerance"))
     choice = recipe.trainer.logger
     needs = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}.get(choice, ())
     if needs and not any(installed(name) for name in needs):

@@ -7,7 +7,7 @@ import re
 from typing import List, Mapping, Optional, Sequence
 
 from lightning_mixedfsdp.recipes.inputs import input_problems, package_problems, reference_model_config
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe
+from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe, recipe_spelling
 
 
 def load_recipe(
@@ -143,10 +143,15 @@ def training_data_problems(recipe: Recipe) -> List[str]:
 
 def strategy_problems(recipe: Recipe) -> List[str]:
     """What the strategy's settings cannot do on this machine's accelerator (float8 without float8 matmuls, a missing
-    extra): the questions the strategy asks at construction, asked here so the runner refuses before any launch."""
+    extra, fault tolerance without a lighthouse): the questions the strategy asks at construction, asked here so the
+    runner refuses before any launch, in recipe keys."""
+    from lightning_mixedfsdp.fault_tolerance.session import missing_lighthouse
     from lightning_mixedfsdp.strategies.settings import setting_problems
 
-    return [f"strategy.{problem}" for problem in setting_problems(recipe.mixed_fsdp_config(), _device_type(recipe))]
+    config = recipe.mixed_fsdp_config()
+    problems = setting_problems(config, _device_type(recipe))
+    lighthouse = missing_lighthouse(config.fault_tolerance) if config.fault_tolerance is not None else None
+    return [recipe_spelling(problem) for problem in [*problems, *([lighthouse] if lighthouse else [])]]
 
 
 def _device_type(recipe: Recipe) -> str:

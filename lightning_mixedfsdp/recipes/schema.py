@@ -2,6 +2,7 @@
 once, each with its fix."""
 
 import difflib
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
@@ -256,9 +257,22 @@ def missing_recipe_message(path: str) -> str:
     return f"{message}{hint} Recipes in {folder}/: {', '.join(names)}."
 
 
+_PYTHON_LITERALS = {"True": "true", "False": "false", "None": "null"}
+
+
+def recipe_spelling(problem: str) -> str:
+    """A problem of the strategy's config as a recipe says it: every option by its recipe key (``float8.emulate`` ->
+    ``strategy.float8.emulate``) and Python's literals as YAML's (``True`` -> ``true``, ``None`` -> ``null``), so the
+    fix it gives can be copied into the recipe or onto the command line."""
+    groups = "|".join(group_classes())
+    spelled = re.sub(rf"(?<![\w.$])(?=(?:{groups})\.\w)", "strategy.", problem)
+    spelled = re.sub(r"\b(True|False|None)\b", lambda found: _PYTHON_LITERALS[found.group(1)], spelled)
+    return spelled if spelled.startswith("strategy.") else f"strategy.{spelled}"
+
+
 def validate_recipe(recipe: Recipe) -> List[str]:
     """Semantic checks the schema's types cannot express."""
-    problems = [f"strategy.{p}" for p in recipe.strategy.problems()]
+    problems = [recipe_spelling(p) for p in recipe.strategy.problems()]
     if recipe.strategy.name != STRATEGY_NAME:
         problems.append(f"strategy.name={recipe.strategy.name!r}: recipes train with {STRATEGY_NAME!r}; set it back")
     if precision_problem(recipe.trainer.precision) is not None:

@@ -15,6 +15,7 @@ from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "conf").glob("*.yaml"))
+FAULT_TOLERANT = ["strategy.fault_tolerance.num_replica_groups=2", "strategy.fault_tolerance.replica_id=0"]
 
 
 def test_schema_defaults_then_file_then_overrides(tmp_path: Path) -> None:
@@ -181,12 +182,17 @@ def test_an_unknown_logger_is_refused_with_the_choices() -> None:
             r"trainer.logger='tensorboard' needs tensorboard, which is not installed: pip install tensorboard$",
         ),
         (
+            [*FAULT_TOLERANT, "strategy.fault_tolerance.lighthouse=http://127.0.0.1:29510"],
+            ["torchft"],
+            r"strategy.fault_tolerance needs torchft, which is not installed: pip install 'lightning-mixedfsdp\[ft\]'",
+        ),
+        (
             ["peft.enabled=true", f"model.hf_config={ROOT / 'benchmarks' / 'configs' / 'llama3_8b.json'}"],
             ["peft"],
             r"peft.enabled=true needs peft, which is not installed: pip install 'lightning-mixedfsdp\[peft\]'",
         ),
     ],
-    ids=["wandb", "tensorboard", "peft"],
+    ids=["wandb", "tensorboard", "torchft", "peft"],
 )
 def test_a_package_the_recipe_needs_is_refused_before_launch_with_the_install_line(
     monkeypatch: pytest.MonkeyPatch, overrides: List[str], packages: List[str], message: str
@@ -280,3 +286,28 @@ def test_an_hf_models_sequence_mixers_under_context_parallelism_are_refused_nami
         and "strategy.parallelism.context_parallel_size=1" in message
     )
     load_recipe(str(ROOT / "conf" / "hf_llama_qlora_tiny.yaml"), [context], launching=False)
+
+
+def test_a_strategy_problem_in_a_recipe_gives_its_fix_in_recipe_keys() -> None:
+    with pytest.raises(RecipeError) as error:
+        load_recipe(
+            None,
+            ["strategy.parallelism.context_parallel_size=2", "strategy.sharding.compile=true", "model.mixer_layers=[]"],
+        )
+    assert str(error.value) == (
+        "Recipe has 1 problem: strategy.parallelism.context_parallel_size=2 with strategy.sharding.compile=true is not"
+        " supported: the ring attention's routing runs outside compiled code; set strategy.sharding.compile=false (or"
+        " strategy.parallelism.context_parallel_size=1)."
+    )
+
+
+def test_fault_tolerance_without_a_lighthouse_is_refused_before_launch_in_recipe_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, FAULT_TOLERANT)
+    assert (
+        "strategy.fault_tolerance has no lighthouse: set strategy.fault_tolerance.lighthouse='http://host:29510' or"
+        " $TORCHFT_LIGHTHOUSE, after starting one with `torchft_lighthouse"
+    ) in str(error.value)
