@@ -191,7 +191,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
         )
         return outcome
     rank_zero_info(
-        f"{summary(outcome, isinstance(module, ChatLM))}\n"
+        f"{summary(outcome, isinstance(module, ChatLM), recipe.model.pretrained is not None)}\n"
         f"checkpoint: {folder.last}\nexport: {folder.export}\nplot: {folder.plot}\nconsole log: {folder.console}"
     )
     if isinstance(datamodule, ChatCorpus) and trainer.is_global_zero:
@@ -199,20 +199,21 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     return outcome
 
 
-def summary(outcome: Outcome, fine_tuned: bool) -> str:
+def summary(outcome: Outcome, fine_tuned: bool, pretrained: bool) -> str:
     """The run's last line: held-out perplexity before and after (fine-tuning: the loss on the trained tokens, and
-    its perplexity)."""
+    its perplexity). The start is "untrained" for a model trained from scratch, "before" for pretrained weights."""
+    start = "before" if pretrained else "untrained"
     if fine_tuned:
         if outcome.untrained is None or outcome.trained is None:
             return f"held-out loss on the trained tokens: not evaluated at both ends of the {outcome.steps} steps"
         return (
-            f"held-out loss on the trained tokens: {math.log(outcome.untrained):.4f} untrained ->"
+            f"held-out loss on the trained tokens: {math.log(outcome.untrained):.4f} {start} ->"
             f" {math.log(outcome.trained):.4f} after {outcome.steps} steps (perplexity {outcome.untrained:.2f} ->"
             f" {outcome.trained:.2f})"
         )
-    start = f"{outcome.untrained:.2f} untrained" if outcome.untrained is not None else "not evaluated untrained"
+    first = f"{outcome.untrained:.2f} {start}" if outcome.untrained is not None else f"not evaluated {start}"
     finish = f"{outcome.trained:.2f}" if outcome.trained is not None else "not evaluated"
-    return f"held-out perplexity: {start} -> {finish} after {outcome.steps} steps"
+    return f"held-out perplexity: {first} -> {finish} after {outcome.steps} steps"
 
 
 def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:

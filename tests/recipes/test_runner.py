@@ -460,3 +460,21 @@ def test_a_dry_run_with_lora_without_peft_says_the_install_line(
         "error: peft.enabled=true needs peft, which is not installed: pip install 'lightning-mixedfsdp[peft]'  (or:"
         " pip install peft)\n"
     )
+
+
+def test_the_last_line_says_before_for_pretrained_weights_and_untrained_from_scratch() -> None:
+    import math
+
+    from lightning_mixedfsdp.recipes.runner import Outcome, summary
+
+    sft = summary(Outcome(math.exp(3.0769), math.exp(1.3627), 300), fine_tuned=True, pretrained=True)
+    assert sft == (
+        "held-out loss on the trained tokens: 3.0769 before -> 1.3627 after 300 steps (perplexity 21.69 -> 3.91)"
+    )
+    scratch = summary(Outcome(267.98, 10.50, 250), fine_tuned=False, pretrained=False)
+    assert scratch == "held-out perplexity: 267.98 untrained -> 10.50 after 250 steps"
+    assert summary(Outcome(21.69, 3.91, 300), fine_tuned=False, pretrained=True).startswith(
+        "held-out perplexity: 21.69 before"
+    )
+    readme = (ROOT / "README.md").read_text()
+    assert sft in readme and scratch in readme  # the lines README quotes, as the runner prints them

@@ -27,7 +27,7 @@ SFT = [
     "--config", "conf/stdlib_llama_sft.yaml", "trainer.max_steps=8", "trainer.val_check_interval=8",
     "trainer.checkpoint_every_n_steps=4", "trainer.log_every_n_steps=1", "data.val_windows=2", "data.seq_len=256",
 ]  # fmt: skip
-LOSS = r"held-out loss on the trained tokens: ([\d.]+) untrained -> ([\d.]+) after 8 steps"
+LOSS = r"held-out loss on the trained tokens: ([\d.]+) before -> ([\d.]+) after 8 steps"
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_the_hf_fine_tuning_recipes_train_on_a_local_model(
     )  # fmt: skip
     fine_tuning = "chat" if data == "chat" else "instruction"
     assert f"data: {fine_tuning}, 18 training and 6 held-out examples" in out
-    before, after = map(float, re.search(r"trained tokens: ([\d.]+) untrained -> ([\d.]+)", out).groups())  # type: ignore[union-attr]
+    before, after = map(float, re.search(r"trained tokens: ([\d.]+) before -> ([\d.]+)", out).groups())  # type: ignore[union-attr]
     assert after < before
     assert "export's answer: " in out
     assert (tmp_path / "export" / "model.safetensors").is_file()
