@@ -43,5 +43,14 @@ def generate_answer(
         answer = maker.decode(ids[0, start:].tolist())
         if int(step) in stop or BYTE_END_OF_TURN in answer:
             break
-    answer = maker.decode(ids[0, start:].tolist(), skip_special_tokens=True)
-    return answer.split(BYTE_END_OF_TURN)[0].strip()
+    return cut_at_end_of_turn(maker.decode(ids[0, start:].tolist(), skip_special_tokens=True))
+
+
+def cut_at_end_of_turn(answer: str, marker: str = BYTE_END_OF_TURN) -> str:
+    """``answer`` up to its end-of-turn marker; an answer that ran out of new tokens inside the marker ends in a
+    start of it (``<|``, ``<|en``), which is cut too."""
+    answer = answer.split(marker)[0]
+    for size in range(min(len(marker), len(answer) + 1) - 1, 0, -1):
+        if answer.endswith(marker[:size]):
+            return answer[:-size].strip()
+    return answer.strip()
