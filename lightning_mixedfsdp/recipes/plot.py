@@ -4,7 +4,11 @@ perplexity against the optimizer step, as one PNG in the run folder."""
 import csv
 import re
 from pathlib import Path
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 Series = Dict[int, float]
 
@@ -37,6 +41,17 @@ def _version(name: str) -> int:
 def plot_metrics(metrics: Dict[str, Series], path: Path, title: str) -> Path:
     """Training loss and learning rate (left), held-out perplexity on a log scale (right, step 0: untrained),
     against the number of optimizer updates the weights had."""
+    import matplotlib.pyplot as plt
+
+    figure = metrics_figure(metrics, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def metrics_figure(metrics: Dict[str, Series], title: str) -> "Figure":
+    """The figure :func:`plot_metrics` saves."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none opened
@@ -63,7 +78,29 @@ def plot_metrics(metrics: Dict[str, Series], path: Path, title: str) -> Path:
     for axis in (loss_axis, ppl_axis):
         axis.grid(alpha=0.3)
     figure.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    _keep_labels_inside(figure, ppl_axis)
+    return figure
+
+
+LABEL_PAD_PX = 3.0
+"""Pixels between a value label and the axes' frame."""
+
+
+def _keep_labels_inside(figure: "Figure", axis: "Axes") -> None:
+    """Widen ``axis``'s limits until its value labels lie inside it: a label sits right of and above its point, so
+    the last point's would cross the right edge of the frame (and leave the figure), the highest one's the top. The
+    overflow is measured on the drawn figure; widening moves the points too, so it takes a few rounds."""
+    for _ in range(5 if axis.texts else 0):
+        figure.canvas.draw()  # lays the figure out: the labels' extents in pixels
+        frame = axis.get_window_extent()
+        labels = [text.get_window_extent() for text in axis.texts]
+        right = max(label.x1 for label in labels) + LABEL_PAD_PX - frame.x1
+        top = max(label.y1 for label in labels) + LABEL_PAD_PX - frame.y1
+        if right <= 0 and top <= 0:
+            return
+        if right > 0:
+            low, high = axis.get_xlim()
+            axis.set_xlim(low, high + (high - low) * right / frame.width)
+        if top > 0:  # the log axis widens in log space, as drawn
+            low, high = axis.get_ylim()
+            axis.set_ylim(low, high * (high / low) ** (top / frame.height))
