@@ -106,3 +106,87 @@ def test_every_class_and_function_stays_small():
                 if lines > limit:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} > {limit})")
     assert not too_long, too_long
+
+
+def import_graph() -> "dict[str, dict[str, int]]":
+    """Every module of the package -> the package's modules it imports, at any depth (a function's or a
+    ``TYPE_CHECKING`` block's imports included, which import-linter does not see), with the line of one such import.
+    ``from package import name`` counts as importing ``package.name`` when that is a module, else ``package``."""
+    import ast
+
+    paths = {}
+    for path in sorted((ROOT / "lightning_mixedfsdp").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: "dict[str, dict[str, int]]" = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolved against the importing module's package
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in paths and target != module:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(graph: "dict[str, dict[str, int]]") -> "list[list[str]]":
+    """The strongly connected components of more than one module (Tarjan's), each sorted."""
+    index: "dict[str, int]" = {}
+    low: "dict[str, int]" = {}
+    stack: "list[str]" = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = [stack.pop()]
+            while component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle_among_the_package_modules_lazy_imports_included():
+    """No module of the package reaches itself through imports, counting the ones inside functions: a lazy import
+    that only breaks a cycle hides a shared piece in the wrong module (move it down instead). A function may still
+    import lazily to keep an optional package or Lightning off an import path, as long as no cycle needs it."""
+    graph = import_graph()
+    cycles = import_cycles(graph)
+    where = [f"{a} -> {b} (line {graph[a][b]})" for cycle in cycles for a in cycle for b in graph[a] if b in cycle]
+    assert not cycles, where
+
+
+def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path, monkeypatch):
+    """The check above on a package whose only cycle is closed by a function-level import."""
+    package = tmp_path / "lightning_mixedfsdp"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text("def f():\n    from lightning_mixedfsdp.high import g\n    return g\n")
+    (package / "high.py").write_text("from lightning_mixedfsdp import low\n\ndef g():\n    return low\n")
+    (package / "alone.py").write_text("import lightning_mixedfsdp.low\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = import_graph()
+    assert graph["lightning_mixedfsdp.low"] == {"lightning_mixedfsdp.high": 2}
+    assert import_cycles(graph) == [["lightning_mixedfsdp.high", "lightning_mixedfsdp.low"]]

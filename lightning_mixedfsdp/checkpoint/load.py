@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp.apply.boundaries import apply_dtype_boundaries
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.checkpoint.safetensors_stream import read_header
@@ -20,6 +21,7 @@ from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
 from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.memory import STAGING_BYTES
+from lightning_mixedfsdp.planning.planner import plan_validated
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -45,9 +47,6 @@ def load_weights(
     ``dtype``. The plan's dtype boundaries are installed too (a keep-fp32 module computes in fp32 and returns
     ``dtype``), so a plain forward runs. Tied params stay one tensor; a checkpoint may hold every tied name (equal
     copies) or one of them."""
-    from lightning_mixedfsdp.apply.boundaries import apply_dtype_boundaries
-    from lightning_mixedfsdp.planning.planner import plan_validated
-
     config = (config or MixedFSDPConfig()).validate()
     plan = plan_validated(model, config, BulkDtypes.uniform(dtype))
     state = read_state_dict(source) if isinstance(source, (str, Path)) else dict(source)

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
+import lightning_mixedfsdp.config.groups as groups
 from lightning_mixedfsdp.config.groups import (
     Buffers,
     Diagnostics,
@@ -203,8 +204,6 @@ def _group_class(hint: Any) -> Type[OptionGroup]:
     from typing import get_args
 
     if isinstance(hint, str):  # annotations read as strings
-        import lightning_mixedfsdp.config.groups as groups
-
         return getattr(groups, hint.replace("Optional[", "").rstrip("]"))
     if isinstance(hint, type):
         return hint

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional
 
+from lightning_mixedfsdp.compat.transformers import EXPERTS_STYLE, SPLIT_STYLE
 from lightning_mixedfsdp.config.options import FIX, MINIMUM, PATTERNS, OptionGroup
 
 # suffixes: LlamaRMSNorm, T5LayerNorm, Qwen3NextRMSNormGated / MambaRMSNormGated, every HF rotary embedding
@@ -290,8 +291,6 @@ class Parallelism(OptionGroup):
     "grouped_gemm", ...}``. ``None``: the plan the HF model declares (``config.base_model_ep_plan``)."""
 
     def semantic_problems(self) -> List[str]:
-        from lightning_mixedfsdp.compat.transformers import EXPERTS_STYLE, SPLIT_STYLE
-
         styles = (EXPERTS_STYLE, SPLIT_STYLE)
         plan: Any = self.expert_parallel_plan
         if not isinstance(plan, Mapping):

@@ -7,6 +7,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from lightning_mixedfsdp.compat.torch import collective_process_group, group_backend_for
+
 # FSDP2 on torch 2.13 issues all_gather_single / reduce_scatter_single; the rest cover other versions and our code
 COUNTED_COLLECTIVES = (
     "all_gather_single",
@@ -89,8 +91,6 @@ def checking_collective_backends(strict: bool = True) -> Iterator[List[Collectiv
     the library) with its tensors' device and the backend its group has for that device. ``strict``: a collective
     whose group has no backend for its tensors' device raises an AssertionError naming it, before it runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from lightning_mixedfsdp.compat.torch import collective_process_group, group_backend_for
 
     records: List[CollectiveBackend] = []
 

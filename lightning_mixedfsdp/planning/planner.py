@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.compat.torch import non_persistent_buffer_names
-from lightning_mixedfsdp.config import DEFAULT_NORM_RULES, BulkDtypes, Float8, MixedFSDPConfig
+from lightning_mixedfsdp.config import (
+    DEFAULT_KEEP_FP32_MODULES,
+    DEFAULT_KEEP_FP32_PARAMS,
+    DEFAULT_NORM_RULES,
+    BulkDtypes,
+    Float8,
+    MixedFSDPConfig,
+)
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.planning.buffers import plan_buffers
 from lightning_mixedfsdp.planning.experts import ExpertPlan, plan_experts
@@ -208,8 +215,6 @@ def param_key(param: torch.Tensor, is_pinned: bool, bulk: BulkDtypes, in_frozen_
 
 def _rule_warnings(unmatched_rules: Sequence[KeepRule]) -> Tuple[str, ...]:
     """Every user rule that matched nothing; the default norm suffixes only when neither matched anything."""
-    from lightning_mixedfsdp.config import DEFAULT_KEEP_FP32_MODULES, DEFAULT_KEEP_FP32_PARAMS
-
     defaults = {KeepRule(RuleKind.MODULE, rule) for rule in DEFAULT_KEEP_FP32_MODULES}
     defaults |= {KeepRule(RuleKind.PARAM, pattern) for pattern in DEFAULT_KEEP_FP32_PARAMS}
     norms = {KeepRule(RuleKind.MODULE, rule) for rule in DEFAULT_NORM_RULES}

@@ -7,6 +7,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.data import SizedDataset, TextCorpus
+from lightning_mixedfsdp.recipes.inputs import resolved_format
 from lightning_mixedfsdp.recipes.schema import DataSection
 from lightning_mixedfsdp.recipes.sft_data import (
     ExampleMaker,
@@ -16,7 +17,6 @@ from lightning_mixedfsdp.recipes.sft_data import (
     fine_tuning_examples,
     packed_rows,
     padded_rows,
-    resolved_format,
 )
 
 

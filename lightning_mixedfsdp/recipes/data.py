@@ -19,7 +19,13 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from typing_extensions import override
 
-from lightning_mixedfsdp.recipes.inputs import JSONL_SUFFIX, data_files
+from lightning_mixedfsdp.recipes.inputs import (
+    JSONL_SUFFIX,
+    data_files,
+    is_byte_tokenizer,
+    load_hf_tokenizer,
+    saved_chat_template,
+)
 from lightning_mixedfsdp.recipes.schema import DataSection
 from lightning_mixedfsdp.strategies.lightning_compat import micro_batches_consumed
 from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
@@ -57,8 +63,6 @@ class HFTokenizer:
     """A local Hugging Face tokenizer; each document ends with its EOS token when it has one."""
 
     def __init__(self, directory: str, trust_remote_code: bool = False) -> None:
-        from lightning_mixedfsdp.recipes.inputs import load_hf_tokenizer
-
         self.tokenizer = load_hf_tokenizer(directory, trust_remote_code)
         self.vocab_size = len(self.tokenizer)
 
@@ -76,8 +80,6 @@ def make_tokenizer(spec: str, trust_remote_code: bool = False) -> Union[ByteToke
     """The byte tokenizer for ``bytes`` and for a directory holding the one a byte-level run exports (with the chat
     template it carries), so fine-tuning a run's export tokenizes as that run did; else the directory's HF
     tokenizer."""
-    from lightning_mixedfsdp.recipes.hf_export import is_byte_tokenizer, saved_chat_template
-
     if spec == "bytes":
         return ByteTokenizer()
     if is_byte_tokenizer(spec):

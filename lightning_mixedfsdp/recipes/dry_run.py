@@ -43,7 +43,7 @@ from lightning_mixedfsdp.planning.report import (
 )
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.inputs import load_hf_config
-from lightning_mixedfsdp.recipes.loader import in_recipe_keys
+from lightning_mixedfsdp.recipes.loader import in_recipe_keys, load_recipe
 
 
 def build_on_meta(config: Any) -> nn.Module:
@@ -173,8 +173,6 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     section fills ``args.lora_rank`` and ``args.lora_targets`` when the flags leave them out)."""
     config, precision, replicate, hf_source = MixedFSDPConfig(), "bf16-true", 1, args.hf_config
     if args.recipe:
-        from lightning_mixedfsdp.recipes.loader import load_recipe
-
         recipe = load_recipe(args.recipe, launching=False, parallel=False)  # sizes from the flags, checked below
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size

@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from lightning_mixedfsdp.recipes.chat import BYTE_END_OF_TURN
+from lightning_mixedfsdp.recipes.hf_export import load_export
 from lightning_mixedfsdp.recipes.schema import DataSection
 from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, read_records
 
@@ -31,8 +32,6 @@ def generate_answer(
     export: Path, prompt: Any, maker: ExampleMaker, trust_remote_code: bool, max_new_tokens: int = 96
 ) -> str:
     """Greedy decoding of ``prompt`` (messages or text) by the export until its end-of-turn marker (or EOS)."""
-    from lightning_mixedfsdp.recipes.hf_export import load_export
-
     model = load_export(export, torch.bfloat16, trust_remote_code=trust_remote_code)
     text = maker.chat_format().render(prompt, True) if isinstance(prompt, list) else prompt
     ids = torch.tensor([maker.encode(text)])

@@ -1,6 +1,6 @@
 """What makes the runner's export a Hugging Face model directory a user can load: for the reference model, its
 ``config.json`` and code (HF's custom-code convention); for byte-level runs, a tokenizer (known again when a recipe
-names it: :func:`is_byte_tokenizer`); and :func:`load_export`, which loads any export with every tensor in the dtype
+names it: ``inputs.is_byte_tokenizer``); and :func:`load_export`, which loads any export with every tensor in the dtype
 the export holds it in.
 
 How each export loads (docs/recipes.md, "Loading the exports"):
@@ -20,9 +20,12 @@ from typing import Any, Dict, Optional, Union
 import torch
 from torch import nn
 
+from lightning_mixedfsdp.checkpoint.load import load_weights
+from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.inputs import (
     REFERENCE_MODEL_TYPE,
     REFERENCE_MODULE,
+    byte_tokenizer_json,
     checkpoint_fp32_patterns,
     project_export,
 )
@@ -65,89 +68,13 @@ def write_byte_tokenizer(directory: Path, chat_template: Optional[str] = None) -
     and ``decode`` the text back. No special tokens: the vocabulary is the model's 256 (documents were separated by a
     blank line in training). The layout is ``tokenizers``' own serialisation (format "1.0"). ``chat_template``: the
     template a chat fine-tuning rendered its conversations with, for ``apply_chat_template``."""
-    tokenizer = _byte_tokenizer_json()
+    tokenizer = byte_tokenizer_json()
     config: Dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if chat_template is not None:  # a fine-tuned chat model: tokenizer.apply_chat_template renders as in training
         config["chat_template"] = chat_template
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=2), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-
-
-def _byte_tokenizer_json() -> Dict[str, Any]:
-    symbols = _byte_symbols()
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {symbols[b]: b for b in range(256)},
-            "merges": [],
-        },
-    }
-
-
-def is_byte_tokenizer(directory: Union[str, Path]) -> bool:
-    """Whether ``directory`` holds the byte tokenizer :func:`write_byte_tokenizer` writes (token i is byte i; also
-    as transformers saves it again): the same vocabulary, no merges, no added tokens, nothing that changes the text
-    before it is split into bytes, no code of its own."""
-    path = Path(directory)
-    try:
-        saved = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not (isinstance(saved, dict) and isinstance(config, dict)):
-        return False
-    ours = _byte_tokenizer_json()
-    model, pre_tokenizer = saved.get("model") or {}, saved.get("pre_tokenizer") or {}
-    post = saved.get("post_processor") or {}  # transformers saves a template that adds nothing
-    adds_nothing = post.get("type") == "TemplateProcessing" and not post.get("special_tokens")
-    return (
-        not config.get("auto_map")
-        and model.get("type") == "BPE"
-        and model.get("vocab") == ours["model"]["vocab"]
-        and not model.get("merges")
-        and not saved.get("added_tokens")
-        and saved.get("normalizer") is None
-        and (not post or (adds_nothing and post.get("single") == [{"Sequence": {"id": "A", "type_id": 0}}]))
-        and pre_tokenizer.get("type") == "ByteLevel"
-        and not pre_tokenizer.get("add_prefix_space")
-    )
-
-
-def saved_chat_template(directory: Union[str, Path]) -> Optional[str]:
-    """The chat template a tokenizer directory carries: ``tokenizer_config.json``'s (as :func:`write_byte_tokenizer`
-    writes it), or ``chat_template.jinja`` (as transformers saves it)."""
-    path = Path(directory)
-    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-    if isinstance(config.get("chat_template"), str):
-        return str(config["chat_template"])
-    jinja = path / "chat_template.jinja"
-    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
-
-
-def _byte_symbols() -> Dict[int, str]:
-    """GPT-2's printable stand-in for each byte (``bytes_to_unicode``), the alphabet of HF's ByteLevel
-    pre-tokenizer."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    symbols = {b: chr(b) for b in printable}
-    symbols.update({b: chr(256 + i) for i, b in enumerate(others)})
-    return symbols
 
 
 def load_export(
@@ -159,9 +86,6 @@ def load_export(
     file without being asked (the runner wrote it); any other model's code runs only with ``trust_remote_code=True``.
     Built on the CPU by the model's own ``from_config``, then loaded by ``load_weights``."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lightning_mixedfsdp.checkpoint.load import load_weights
-    from lightning_mixedfsdp.config import MixedFSDPConfig
 
     trust_remote_code = trust_remote_code or project_export(directory)
     config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from lightning_mixedfsdp.checkpoint.load import _safetensors_files
 from lightning_mixedfsdp.compat.extras import installed, missing_message
 from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
@@ -105,6 +106,84 @@ def load_hf_tokenizer(directory: Union[str, Path], trust_remote_code: bool = Fal
     return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code, **plain)
 
 
+def byte_tokenizer_json() -> Dict[str, Any]:
+    """The byte tokenizer's ``tokenizer.json`` (``hf_export.write_byte_tokenizer`` writes it, :func:`is_byte_tokenizer`
+    knows it again)."""
+    symbols = _byte_symbols()
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": {symbols[b]: b for b in range(256)},
+            "merges": [],
+        },
+    }
+
+
+def is_byte_tokenizer(directory: Union[str, Path]) -> bool:
+    """Whether ``directory`` holds the byte tokenizer ``hf_export.write_byte_tokenizer`` writes (token i is byte i; also
+    as transformers saves it again): the same vocabulary, no merges, no added tokens, nothing that changes the text
+    before it is split into bytes, no code of its own."""
+    path = Path(directory)
+    try:
+        saved = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not (isinstance(saved, dict) and isinstance(config, dict)):
+        return False
+    ours = byte_tokenizer_json()
+    model, pre_tokenizer = saved.get("model") or {}, saved.get("pre_tokenizer") or {}
+    post = saved.get("post_processor") or {}  # transformers saves a template that adds nothing
+    adds_nothing = post.get("type") == "TemplateProcessing" and not post.get("special_tokens")
+    return (
+        not config.get("auto_map")
+        and model.get("type") == "BPE"
+        and model.get("vocab") == ours["model"]["vocab"]
+        and not model.get("merges")
+        and not saved.get("added_tokens")
+        and saved.get("normalizer") is None
+        and (not post or (adds_nothing and post.get("single") == [{"Sequence": {"id": "A", "type_id": 0}}]))
+        and pre_tokenizer.get("type") == "ByteLevel"
+        and not pre_tokenizer.get("add_prefix_space")
+    )
+
+
+def saved_chat_template(directory: Union[str, Path]) -> Optional[str]:
+    """The chat template a tokenizer directory carries: ``tokenizer_config.json``'s (as
+    ``hf_export.write_byte_tokenizer`` writes it), or ``chat_template.jinja`` (as transformers saves it)."""
+    path = Path(directory)
+    config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if isinstance(config.get("chat_template"), str):
+        return str(config["chat_template"])
+    jinja = path / "chat_template.jinja"
+    return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+
+
+def _byte_symbols() -> Dict[int, str]:
+    """GPT-2's printable stand-in for each byte (``bytes_to_unicode``), the alphabet of HF's ByteLevel
+    pre-tokenizer."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    symbols = {b: chr(b) for b in printable}
+    symbols.update({b: chr(256 + i) for i, b in enumerate(others)})
+    return symbols
+
+
 def reference_model_config(model: ModelSection) -> Optional[TinyLlamaConfig]:
     """The reference model's sizes: the recipe's own (no HF model named), or those of a reference model's export that
     ``model.pretrained`` names (the main job's, to fine-tune); None for an HF model."""
@@ -185,6 +264,34 @@ def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
     return problems
 
 
+def detected_format(record: Any, text_field: str) -> Optional[str]:
+    """The format a ``.jsonl`` record's fields say: ``messages`` -> chat, ``prompt`` and ``completion`` ->
+    instruction, the text field -> text."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "chat"
+    if "prompt" in record and "completion" in record:
+        return "instruction"
+    return "text" if text_field in record else None
+
+
+def resolved_format(data: DataSection) -> str:
+    """``data.format``, or what the first ``.jsonl`` line's fields say (text files and the stdlib source: text)."""
+    if data.format is not None:
+        return data.format
+    files, _ = data_files(data)
+    for path in (p for p in files if p.suffix == JSONL_SUFFIX):
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                if line.strip():
+                    try:
+                        return detected_format(json.loads(line), data.text_field) or "text"
+                    except json.JSONDecodeError:
+                        return "text"  # the text checks name the line
+    return "text"
+
+
 def model_vocab_size(model: ModelSection) -> Optional[int]:
     """The model's embedding size, read from its config without building it."""
     source = model.hf_source()
@@ -196,8 +303,6 @@ def model_vocab_size(model: ModelSection) -> Optional[int]:
 
 
 def tokenizer_vocab_size(spec: str, trust_remote_code: bool = False) -> int:
-    from lightning_mixedfsdp.recipes.hf_export import is_byte_tokenizer
-
     if spec == "bytes" or is_byte_tokenizer(spec):
         return 256
     return len(load_hf_tokenizer(spec, trust_remote_code))
@@ -233,7 +338,7 @@ def input_problems(recipe: Recipe) -> List[str]:
         problems.append("peft.enabled needs a Hugging Face model; set model.hf_config or model.pretrained")
     files, file_problems = data_files(data)
     problems += file_problems
-    if not file_problems and _text_format(data):
+    if not file_problems and resolved_format(data) == "text":
         problems += jsonl_problems(files, data.text_field)
     if data.tokenizer != "bytes" and not Path(data.tokenizer).is_dir():
         problems.append(
@@ -257,8 +362,6 @@ def input_problems(recipe: Recipe) -> List[str]:
 
 
 def _text_format(data: DataSection) -> bool:
-    from lightning_mixedfsdp.recipes.sft_data import resolved_format
-
     return resolved_format(data) == "text"
 
 
@@ -284,8 +387,6 @@ def checkpoint_fp32_patterns(directory: str) -> List[str]:
     import re
 
     from safetensors import safe_open
-
-    from lightning_mixedfsdp.checkpoint.load import _safetensors_files
 
     dtypes = {}
     for file in _safetensors_files(Path(directory)):

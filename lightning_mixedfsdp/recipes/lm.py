@@ -13,9 +13,10 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_labels
+from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.compat.extras import optional_import
 from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
-from lightning_mixedfsdp.recipes.inputs import reference_model_config
+from lightning_mixedfsdp.recipes.inputs import load_hf_config, reference_model_config
 from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL
 from lightning_mixedfsdp.recipes.schema import ModelSection, PeftSection
@@ -32,8 +33,6 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
 def build_hf_model(model: ModelSection, peft: PeftSection) -> nn.Module:
     """The HF model on the meta device (the strategy initialises or loads it shard by shard), LoRA-wrapped if asked."""
     from transformers import AutoModelForCausalLM
-
-    from lightning_mixedfsdp.recipes.inputs import load_hf_config
 
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(load_hf_config(model.hf_source()))
@@ -78,8 +77,6 @@ class CausalLM(pl.LightningModule):
     def on_fit_start(self) -> None:
         # a resumed run restores its own weights; only a fresh run starts from the pretrained directory
         if self.model_section.pretrained is not None and self.trainer.ckpt_path is None:
-            from lightning_mixedfsdp.checkpoint.load import load_full_weights
-
             assert self.model is not None  # configure_model built it
             load_full_weights(self.model, self.model_section.pretrained)
 

@@ -6,8 +6,22 @@ starts."""
 import re
 from typing import List, Mapping, Optional, Sequence
 
-from lightning_mixedfsdp.recipes.inputs import input_problems, package_problems, reference_model_config
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError, TrainerSection, merge_recipe, recipe_spelling
+from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
+from lightning_mixedfsdp.fault_tolerance.session import missing_lighthouse
+from lightning_mixedfsdp.mesh import ParallelDims
+from lightning_mixedfsdp.recipes.data import data_problems
+from lightning_mixedfsdp.recipes.inputs import input_problems, package_problems, reference_model_config, resolved_format
+from lightning_mixedfsdp.recipes.lm import build_hf_model
+from lightning_mixedfsdp.recipes.schema import (
+    PeftSection,
+    Recipe,
+    RecipeError,
+    TrainerSection,
+    merge_recipe,
+    recipe_spelling,
+)
+from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, fine_tuning_problems
+from lightning_mixedfsdp.strategies.settings import setting_problems
 
 
 def load_recipe(
@@ -62,8 +76,6 @@ def in_recipe_keys(problem: str, keys: Mapping[str, str] = RECIPE_KEYS) -> str:
 def mesh_problems(recipe: Recipe) -> List[str]:
     """The mesh sizes against ``trainer.devices x trainer.num_nodes`` ranks, as the strategy resolves and validates
     them at setup (``ParallelDims``), in recipe keys. Sizes out of range are named by the schema's own checks."""
-    from lightning_mixedfsdp.mesh import ParallelDims
-
     trainer, strategy = recipe.trainer, recipe.strategy
     context, experts = strategy.parallelism.context_parallel_size, strategy.parallelism.expert_parallel_size
     if min(trainer.devices, trainer.num_nodes, context, experts) < 1:
@@ -118,10 +130,6 @@ def model_context_parallel_problems(recipe: Recipe) -> List[str]:
             f"{context} splits every sequence across ranks; set strategy.parallelism.context_parallel_size=1, or"
             " fine-tune an export trained with model.mixer_layers=[]"
         ]
-    from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
-    from lightning_mixedfsdp.recipes.lm import build_hf_model
-    from lightning_mixedfsdp.recipes.schema import PeftSection
-
     built = build_hf_model(model, PeftSection())  # on the meta device; adapters change no sequence mixer
     return [f"{key}: {in_recipe_keys(problem)}" for problem in context_parallel_problems(built, context)]
 
@@ -130,9 +138,6 @@ def training_data_problems(recipe: Recipe) -> List[str]:
     """Whether the data trains: enough text for a window per rank, or fine-tuning examples that all make correct
     masks (every bad one named) and fill a row per rank. The data-parallel ranks are the world over the
     context-parallel size (those ranks share their rows)."""
-    from lightning_mixedfsdp.recipes.data import data_problems
-    from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, fine_tuning_problems, resolved_format
-
     context = recipe.strategy.parallelism.context_parallel_size
     ranks = recipe.world_size // context if isinstance(context, int) and context >= 1 else recipe.world_size
     if resolved_format(recipe.data) in FINE_TUNING:
@@ -145,9 +150,6 @@ def strategy_problems(recipe: Recipe) -> List[str]:
     """What the strategy's settings cannot do on this machine's accelerator (float8 without float8 matmuls, a missing
     extra, fault tolerance without a lighthouse): the questions the strategy asks at construction, asked here so the
     runner refuses before any launch, in recipe keys."""
-    from lightning_mixedfsdp.fault_tolerance.session import missing_lighthouse
-    from lightning_mixedfsdp.strategies.settings import setting_problems
-
     config = recipe.mixed_fsdp_config()
     problems = setting_problems(config, _device_type(recipe))
     lighthouse = missing_lighthouse(config.fault_tolerance) if config.fault_tolerance is not None else None

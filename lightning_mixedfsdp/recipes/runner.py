@@ -32,6 +32,8 @@ from torch import nn
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.compat.extras import MissingPackage, installed
 from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
+from lightning_mixedfsdp.planning.memory import estimate_memory
+from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
 from lightning_mixedfsdp.recipes.chat import BYTE_CHAT_TEMPLATE
 from lightning_mixedfsdp.recipes.chat_corpus import ChatCorpus
@@ -39,13 +41,17 @@ from lightning_mixedfsdp.recipes.chat_lm import ChatLM
 from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
 from lightning_mixedfsdp.recipes.console import keep_console, process_rank, progress_bar
 from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
-from lightning_mixedfsdp.recipes.inputs import reference_model_config
+from lightning_mixedfsdp.recipes.dry_run import format_summary
+from lightning_mixedfsdp.recipes.generate import generate_answer, held_out_question
+from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
+from lightning_mixedfsdp.recipes.inputs import checkpoint_fp32_patterns, reference_model_config, resolved_format
 from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
 from lightning_mixedfsdp.recipes.loader import load_recipe
+from lightning_mixedfsdp.recipes.models import TinyLlama
 from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL, plot_metrics, read_metrics
 from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
 from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
-from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, resolved_format, template_text
+from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, template_text
 from lightning_mixedfsdp.recipes.stopping import StopRequest
 from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
@@ -69,8 +75,6 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
     (no random init, except LoRA adapters) with the fp32 tensors of a mixed-dtype checkpoint kept fp32."""
     config = recipe.mixed_fsdp_config()
     if recipe.model.pretrained is not None:
-        from lightning_mixedfsdp.recipes.inputs import checkpoint_fp32_patterns
-
         config.dtypes.keep_fp32_params = [
             *config.dtypes.keep_fp32_params,
             *checkpoint_fp32_patterns(recipe.model.pretrained),
@@ -218,8 +222,6 @@ def summary(outcome: Outcome, fine_tuned: bool, pretrained: bool) -> str:
 
 def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
     """The first held-out question answered by the export, beside the answer the data gives."""
-    from lightning_mixedfsdp.recipes.generate import generate_answer, held_out_question
-
     found = held_out_question(recipe.data, datamodule.format)
     if found is None:
         return
@@ -233,8 +235,6 @@ def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
 def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
     """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer,
     committed together; ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
-    from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
-
     folder = run_folder(recipe)
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
@@ -259,11 +259,6 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
 
 def dry_run(recipe: Recipe) -> None:
     """Print the dtype plan and per-rank memory for the recipe's model at its world size; train nothing."""
-    from lightning_mixedfsdp.planning.memory import estimate_memory
-    from lightning_mixedfsdp.planning.planner import plan_sharding
-    from lightning_mixedfsdp.recipes.dry_run import format_summary
-    from lightning_mixedfsdp.recipes.models import TinyLlama
-
     model: nn.Module
     reference = reference_model_config(recipe.model)
     if reference is not None:

@@ -33,41 +33,14 @@ from lightning_mixedfsdp.recipes.chat import (
     hf_chat_format,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.data import ByteTokenizer, HFTokenizer, SizedDataset, StreamOrder
-from lightning_mixedfsdp.recipes.inputs import data_files
+from lightning_mixedfsdp.recipes.data import ByteTokenizer, HFTokenizer, SizedDataset, StreamOrder, make_tokenizer
+from lightning_mixedfsdp.recipes.inputs import data_files, detected_format, resolved_format
 from lightning_mixedfsdp.recipes.schema import DataSection
+from lightning_mixedfsdp.recipes.stdlib_chat import stdlib_conversations
 
 FINE_TUNING = ("chat", "instruction")
 MAX_LISTED = 6
 """Problems listed one by one before the rest are counted."""
-
-
-def detected_format(record: Any, text_field: str) -> Optional[str]:
-    """The format a ``.jsonl`` record's fields say: ``messages`` -> chat, ``prompt`` and ``completion`` ->
-    instruction, the text field -> text."""
-    if not isinstance(record, dict):
-        return None
-    if "messages" in record:
-        return "chat"
-    if "prompt" in record and "completion" in record:
-        return "instruction"
-    return "text" if text_field in record else None
-
-
-def resolved_format(data: DataSection) -> str:
-    """``data.format``, or what the first ``.jsonl`` line's fields say (text files and the stdlib source: text)."""
-    if data.format is not None:
-        return data.format
-    files, _ = data_files(data)
-    for path in (p for p in files if p.suffix == ".jsonl"):
-        with path.open(encoding="utf-8") as lines:
-            for line in lines:
-                if line.strip():
-                    try:
-                        return detected_format(json.loads(line), data.text_field) or "text"
-                    except json.JSONDecodeError:
-                        return "text"  # the text checks name the line
-    return "text"
 
 
 def read_records(data: DataSection, fine_tuning_format: str) -> Iterator[Tuple[str, Any]]:
@@ -75,8 +48,6 @@ def read_records(data: DataSection, fine_tuning_format: str) -> Iterator[Tuple[s
     :class:`json.JSONDecodeError`. Without files, the generated standard-library conversations (as prompt and
     completion pairs for the instruction format)."""
     if not data.files:
-        from lightning_mixedfsdp.recipes.stdlib_chat import stdlib_conversations
-
         for index, messages in enumerate(stdlib_conversations()):
             where = f"generated conversation {index}"
             if fine_tuning_format == "chat":
@@ -219,8 +190,6 @@ def fine_tuning_problems(data: DataSection, ranks: int, packed: bool) -> List[st
     """What keeps the fine-tuning data from training, before launch, all at once: bad records, a template that cannot
     give masks, too-long examples under ``data.too_long=error``, too few examples for a training row and a held-out
     row per data-parallel rank (``packed``: as the run packs them)."""
-    from lightning_mixedfsdp.recipes.data import make_tokenizer
-
     tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
     splits = fine_tuning_examples(data, ExampleMaker(data, resolved_format(data), tokenizer))
     problems = list(splits.problems)

@@ -5,14 +5,13 @@ before launch, with every problem at once."""
 
 from typing import Any, List
 
+from lightning_mixedfsdp.compat import torchao as torchao_compat
+from lightning_mixedfsdp.compat.extras import missing_message
 from lightning_mixedfsdp.config import MixedFSDPConfig
 
 
 def setting_problems(config: MixedFSDPConfig, device_type: str) -> List[str]:
     """What cannot run with these settings on ``device_type`` (``cpu``, ``cuda``, ...), each with its fix."""
-    from lightning_mixedfsdp.compat.extras import missing_message
-    from lightning_mixedfsdp.compat.torchao import torchao_installed
-
     problems = []
     recipe = config.float8.recipe
     if recipe is not None and not config.float8.emulate and device_type != "cuda":
@@ -21,9 +20,9 @@ def setting_problems(config: MixedFSDPConfig, device_type: str) -> List[str]:
             " compute capability 8.9 or later: L4, L40S, H100, H200, B200). Set float8.emulate=True to emulate"
             " them in the compute dtype (float8's numerics, no speed gain), or leave float8 off."
         )
-    if recipe is not None and not torchao_installed():
+    if recipe is not None and not torchao_compat.torchao_installed():
         problems.append(missing_message("torchao", f"float8.recipe={recipe!r}", "float8"))
-    if config.memory.quantize_base is not None and not torchao_installed():
+    if config.memory.quantize_base is not None and not torchao_compat.torchao_installed():
         problems.append(missing_message("torchao", f"memory.quantize_base={config.memory.quantize_base!r}", "qlora"))
     return problems
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from lightning_mixedfsdp.compat.torchft import lighthouse_server
+from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 from lightning_mixedfsdp.testing.launch import free_port
 
 
@@ -18,8 +20,6 @@ def start_lighthouse(min_replicas: int = 1) -> Any:
     """torchft's lighthouse: quorums every 50 ms, a group silent for 1 s is dead, a new quorum waits 0.5 s for
     joiners. ``min_replicas``: no quorum forms with fewer groups (every step then waits for all of them, whatever
     their speed)."""
-    from lightning_mixedfsdp.compat.torchft import lighthouse_server
-
     return lighthouse_server(
         min_replicas=min_replicas, join_timeout_ms=500, quorum_tick_ms=50, heartbeat_timeout_ms=1000
     )
@@ -131,8 +131,6 @@ def fault_tolerant_strategy(
     """The Fabric strategy of one replica group (``replica_id`` of 2), or of a plain launch when ``replica_id`` is
     None: bf16 blocks with their fp32 norms sharded (200 bytes: the blocks' norms are sharded groups, the final norm
     replicated), full activation checkpointing, ``options`` over those."""
-    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-
     fault_tolerance: Optional[Dict[str, Any]] = None
     if replica_id is not None:
         fault_tolerance = dict(
