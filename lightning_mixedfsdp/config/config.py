@@ -108,11 +108,6 @@ class MixedFSDPConfig:
             raise MixedFSDPConfigError(f"MixedFSDPConfig has {len(problems)} problem(s):\n{listed}")
         return self
 
-    @property
-    def checkpoint_every(self) -> int:
-        """Checkpoint every N-th unit; 0 for none (the config is validated, so this parses)."""
-        return self.sharding.checkpoint_every
-
     def bulk_dtypes(self, precision: str, owner: str = "mixed_fsdp2") -> BulkDtypes:
         """The bulk dtypes for a Lightning precision flag, which is checked here (``owner`` names who was given it):
         the one place flags are validated and dtypes resolved."""
@@ -132,11 +127,6 @@ class MixedFSDPConfig:
         if options.get("wrap_units") == "auto":
             options = {**options, "wrap_units": None}
         return cls(**_merged(base, nested_options(options))).validate()
-
-    @classmethod
-    def from_kwargs(cls, **options: Any) -> "MixedFSDPConfig":
-        """Build from keyword arguments, rejecting unknown names with the list of valid ones."""
-        return cls(**options)
 
 
 def group_classes() -> Dict[str, Type[OptionGroup]]:

@@ -83,7 +83,7 @@ def test_every_problem_is_reported_at_once() -> None:
 
 def test_unknown_field() -> None:
     with pytest.raises(MixedFSDPConfigError, match=r"unknown option\(s\) \['keep_fp32_module'\]. Valid options: "):
-        MixedFSDPConfig.from_kwargs(keep_fp32_module=["RMSNorm"])
+        MixedFSDPConfig(keep_fp32_module=["RMSNorm"])
 
 
 def test_strategy_rejects_unknown_keyword() -> None:

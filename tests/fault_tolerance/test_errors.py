@@ -58,7 +58,7 @@ def test_empty_lighthouse() -> None:
 
 def test_unknown_fault_tolerance_field() -> None:
     with pytest.raises(MixedFSDPConfigError, match=r"fault_tolerance got unknown field\(s\) \['replica'\]. Valid"):
-        MixedFSDPConfig.from_kwargs(fault_tolerance={"replica": 1})
+        MixedFSDPConfig(fault_tolerance={"replica": 1})
 
 
 def test_fault_tolerance_of_the_wrong_type() -> None:
