@@ -190,3 +190,28 @@ def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path, monkeyp
     graph = import_graph()
     assert graph["lightning_mixedfsdp.low"] == {"lightning_mixedfsdp.high": 2}
     assert import_cycles(graph) == [["lightning_mixedfsdp.high", "lightning_mixedfsdp.low"]]
+
+
+def test_every_module_of_the_package_is_named_in_the_architecture_doc():
+    """docs/architecture.md keeps up with the package: each room's row names every module of the room (``stem``), a
+    top-level module is named as ``name.py`` (a room of its own, or an entry point); a subpackage's ``__init__.py``
+    is its room."""
+    import re
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            rows[cells[1].strip("`")] = set(re.findall(r"`(\w+)`", cells[2]))
+    unnamed = []
+    for path in sorted((ROOT / "lightning_mixedfsdp").rglob("*.py")):
+        relative = path.relative_to(ROOT / "lightning_mixedfsdp")
+        if len(relative.parts) == 1:
+            named = f"`{relative}`" in doc
+        else:
+            room = relative.parts[0] + "/"
+            named = path.name == "__init__.py" and room in rows or path.stem in rows.get(room, set())
+        if not named:
+            unnamed.append(str(relative))
+    assert rows and not unnamed, unnamed

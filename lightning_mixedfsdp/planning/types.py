@@ -201,7 +201,7 @@ class ShardPlan:
     @property
     def mixed_dtype_groups(self) -> Tuple[str, ...]:
         """Sharded groups whose trainable params differ in storage, compute or reduce dtype: one ``fully_shard`` call
-        each only where torch groups mixed dtypes natively (:func:`fsdp_groups_can_mix_dtypes`). Frozen params may
+        each only where torch groups mixed dtypes natively (``planner.fsdp_groups_can_mix_dtypes``). Frozen params may
         differ on every torch: FSDP2 asks one dtype of the params it reduces."""
         return tuple(g.name for g in self.sharded_groups if len(self._trainable_dtypes(g)) > 1)
 

@@ -34,7 +34,7 @@ WriteCheckpoint = Callable[[Path, Dict[str, Any]], None]
 
 
 class CheckpointingMixin:
-    """Save, load and export for the Fabric and Trainer strategies (mixed in with :class:`MixedFSDP2Mixin`)."""
+    """Save, load and export for the Fabric and Trainer strategies (mixed in with ``mixin.MixedFSDP2Mixin``)."""
 
     _config: MixedFSDPConfig
     _fault_tolerance: NoFaultTolerance

@@ -1,5 +1,11 @@
-"""The precision plugin: a Lightning precision flag as bulk dtypes, and the casts of inputs and outputs. It decides no
-tensor's storage: the dtype plan does (``planning/planner.py``)."""
+"""The precision plugin: a Lightning precision flag as bulk dtypes, and the casts of inputs and outputs.
+
+What it pins: the bulk dtypes (storage, compute, reduce) that every tensor the plan does not pin takes, and the
+model's floating inputs to the compute dtype. What it leaves to the plan: frozen modules (stored and computed in the
+compute dtype) and keep-fp32 modules (stored and computed in fp32, handing the compute dtype back) are pinned where
+every tensor's dtype is decided, once, by the pure dtype plan (``planning/planner.py``'s ``param_key``), and enforced
+at setup by ``apply/applier.py`` (each group's ``MixedPrecisionPolicy``) and ``apply/boundaries.py``, so
+initialisation, loading, export and the dry run read the same decision."""
 
 from contextlib import contextmanager, nullcontext
 from typing import Any, ContextManager, Iterator, Optional, Tuple, Type, TypeVar
