@@ -1,12 +1,12 @@
 """Stopping a run on request: SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, ``kill``) ask the run to stop at
 the next optimizer-step boundary, where :class:`~lightning_mixedfsdp.recipes.checkpoints.RunCheckpoints` saves
-``last.ckpt`` and ends the fit; a second one, :data:`REPEAT_WINDOW_S` or more after the first, ends the process at
-once.
+``last.ckpt`` and ends the fit; a second one, the repeat window (:data:`REPEAT_WINDOW_S`) or more after the first,
+ends the process at once.
 
 One request often arrives more than once: ``timeout`` signals its child and then the child's whole process group,
 and ``srun``, ``torchrun`` and SLURM's ``scancel`` forward what they receive to processes that are signalled
-directly too. Those copies come within milliseconds, so a stop signal within :data:`REPEAT_WINDOW_S` of the first
-belongs to the same request. A person who wants the run gone sends it again after that (a second Ctrl-C).
+directly too. Those copies come within milliseconds, so a stop signal within the repeat window of the first belongs
+to the same request. A person who wants the run gone sends it again after that (a second Ctrl-C).
 
 A signal handler only sets a flag. It runs between two bytecodes of the main thread, possibly between two of FSDP's
 collectives, so it must not issue one (Lightning 2.6's own SIGTERM handler broadcasts from inside the handler, which
@@ -39,7 +39,11 @@ REPEAT_WINDOW_S = 2.0
 class StopRequest:
     """The first SIGINT/SIGTERM this process received while installed, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, repeat_window_s: float = REPEAT_WINDOW_S) -> None:
+        self.repeat_window_s = repeat_window_s
+        """Stop signals less than this many seconds after the first are its copies; a later one aborts. With 0 every
+        further stop signal aborts, with ``math.inf`` none does (what a test sets to decide the outcome by the order
+        of the signals alone)."""
         self.signal: Optional[int] = None
         self._previous: Dict[int, Any] = {}
         self._wakeup: Optional[Tuple[int, int]] = None
@@ -52,7 +56,9 @@ class StopRequest:
         read, write = os.pipe()
         os.set_blocking(write, False)  # CPython's C handler must never block on it
         self._wakeup = (write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
-        threading.Thread(target=_abort_on_second_signal, args=(read,), name="stop-request", daemon=True).start()
+        threading.Thread(
+            target=_abort_on_second_signal, args=(read, self.repeat_window_s), name="stop-request", daemon=True
+        ).start()
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
@@ -88,13 +94,13 @@ class StopRequest:
                 os.write(
                     2,
                     f"\n{name}: stopping at the next step boundary with a checkpoint (again after"
-                    f" {REPEAT_WINDOW_S:g} s: abort)\n".encode(),
+                    f" {self.repeat_window_s:g} s: abort)\n".encode(),
                 )
 
 
-def _abort_on_second_signal(read: int) -> None:
-    """Read the signals CPython reports on the wakeup pipe. The first stop signal is the request; others within
-    :data:`REPEAT_WINDOW_S` of it are its copies; one after that ends the process now (no checkpoint, the shell's
+def _abort_on_second_signal(read: int, repeat_window_s: float) -> None:
+    """Read the signals CPython reports on the wakeup pipe. The first stop signal is the request; others less than
+    ``repeat_window_s`` after it are its copies; one after that ends the process now (no checkpoint, the shell's
     128 + signal), whatever the main thread is blocked in."""
     first: Optional[float] = None
     with os.fdopen(read, "rb", buffering=0) as pipe:
@@ -105,6 +111,6 @@ def _abort_on_second_signal(read: int) -> None:
                     continue
                 if first is None:
                     first = now
-                elif now - first >= REPEAT_WINDOW_S:
+                elif now - first >= repeat_window_s:
                     os.write(2, f"\n{signal.Signals(signum).name} again: aborting\n".encode())
                     os._exit(128 + signum)

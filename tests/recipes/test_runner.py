@@ -3,20 +3,28 @@ job at tiny sizes: one uninterrupted run, one stopped by SIGTERM to its process 
 extended; then what each left behind (losses, checkpoints, export, plot, metrics, console log). Refusals that happen
 before any process starts run in this process, except one run of the whole command (nothing may start for them)."""
 
+import contextlib
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from lightning_mixedfsdp.recipes.plot import read_metrics
+
+pytestmark = pytest.mark.timeout(1800)
+"""A hang bound, not a speed bound: the first test that asks for ``runs`` waits for its six launches (each bounded
+by its own subprocess timeout), which on a loaded machine can pass pytest's default of 300 s."""
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EXTENDED, EVERY, KEEP = 40, 52, 4, 2
@@ -51,15 +59,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 """torchrun forwards each signal it gets to its workers (in a session of their own, which a group signal misses)."""
 
 
-COPY_AFTER_S = 0.05
-"""A forwarder's copy of the request (``srun`` passing on ``scancel``'s signal) comes this much later: copies that
-arrive together can merge into one pending signal, this one is delivered on its own."""
+REQUESTED = "SIGTERM: stopping at the next step boundary"
+"""What rank 0 says once its handler has seen the request."""
 
 
 def train_until_sigterm(output: Path, launcher: List[str]) -> Dict[str, Any]:
     """Start the run under ``launcher`` in its own process group (as a shell starts a job), wait for its first
-    numbered checkpoint, then SIGTERM the group, as Ctrl-C or a scheduler signals every process of the job, and
-    again :data:`COPY_AFTER_S` later, as a forwarding launcher does."""
+    numbered checkpoint, then SIGTERM the group, as Ctrl-C or a scheduler signals every process of the job. Once
+    rank 0 says it has the request, SIGTERM the group again, as a forwarding launcher does (``srun`` passing on
+    ``scancel``'s signal): sent after the first was delivered, the copy cannot merge with it into one pending
+    signal."""
     run = command(*TINY, f"output.dir={output}")
     if TORCHRUN[-1] in launcher:
         run = [*launcher, "-m", *run[2:]]  # torchrun -m lightning_mixedfsdp.train ...
@@ -73,15 +82,31 @@ def train_until_sigterm(output: Path, launcher: List[str]) -> Dict[str, Any]:
         text=True,
         start_new_session=True,
     )
+    lines: List[str] = []
+    requested = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if REQUESTED in line:
+                requested.set()
+        requested.set()  # the output ended: nothing more will come
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     first = output / "checkpoints" / f"step={EVERY}.ckpt"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 240  # bounds a hang only: the loop ends when the checkpoint appears
     while not first.is_dir() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(process.pid, signal.SIGTERM)
-    time.sleep(COPY_AFTER_S)
-    os.killpg(process.pid, signal.SIGTERM)
-    out, _ = process.communicate(timeout=120)
-    return {"out": out, "returncode": process.returncode}
+    requested.wait(timeout=240)  # bounds a hang only
+    with contextlib.suppress(ProcessLookupError):  # a group that is gone already: the output says why
+        os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=240)
+    reader.join(timeout=240)  # the workers of torchrun hold the output after torchrun ended
+    assert not reader.is_alive(), "".join(lines)[-3000:]
+    return {"out": "".join(lines), "returncode": process.returncode}
 
 
 def losses(output: Path) -> Dict[int, float]:
@@ -275,10 +300,13 @@ def test_export_files_are_written_with_the_umask_like_any_file(runs: Dict[str, A
     assert set(modes.values()) == {0o666 & ~mask}, modes
 
 
-def _fake_checkpoint(path: Path, step: int) -> Path:
-    """A single-file checkpoint as far as the run folder reads one (its step)."""
+def _fake_checkpoint(path: Path, step: int, saved_s: Optional[int] = None) -> Path:
+    """A single-file checkpoint as far as the run folder reads one (its step), written at ``saved_s`` (seconds
+    since the epoch) when given."""
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"global_step": step, "epoch": 0}, path)
+    if saved_s is not None:
+        os.utime(path, ns=(saved_s * 10**9, saved_s * 10**9))
     return path
 
 
@@ -310,11 +338,9 @@ def test_the_newest_checkpoint_is_the_last_saved_and_slurm_requeues_resume_by_th
     from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
 
     folder = RunFolder(tmp_path)
-    _fake_checkpoint(folder.numbered(30), 30)
-    time.sleep(0.01)
-    _fake_checkpoint(folder.last, 12)  # a later branch, resumed from an earlier checkpoint
-    time.sleep(0.01)
-    hpc = _fake_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", 14)  # Lightning's SLURM requeue save
+    _fake_checkpoint(folder.numbered(30), 30, saved_s=1_000)
+    _fake_checkpoint(folder.last, 12, saved_s=1_001)  # a later branch, resumed from an earlier checkpoint
+    hpc = _fake_checkpoint(tmp_path / "hpc_ckpt_1.ckpt", 14, saved_s=1_002)  # Lightning's SLURM requeue save
     assert resume_from(folder, "last", 40, under_slurm=False) == hpc
     assert resume_from(folder, None, 40, under_slurm=True) == hpc  # a requeued job reruns its command unchanged
     with pytest.raises(RunFolderError, match="holds the checkpoints of an earlier run"):
@@ -372,41 +398,107 @@ def test_the_dry_run_refuses_what_a_launch_would(tmp_path: Path, capsys: Any) ->
     )
 
 
-HUNG = """
-import socket
+BLOCKED = """
+import sys
+import threading
 from datetime import timedelta
 import torch.distributed as dist
 from lightning_mixedfsdp.recipes.stopping import StopRequest
-StopRequest().install()
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-print("blocked", flush=True)
-# rank 1 never comes: the main thread waits in C++, where no Python signal handler runs
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2, timeout=timedelta(60))
+window, port = float(sys.argv[1]), int(sys.argv[2])
+stop = StopRequest(repeat_window_s=window)
+stop.install()
+# a rendezvous whose rank 1 does not come: the main thread waits in C++, where no Python signal handler runs
+dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True, timeout=timedelta(hours=1))
+print("released", flush=True)
+stop.restore()  # the watcher reads what is left on its pipe, then ends
+for thread in threading.enumerate():
+    if thread.name == "stop-request":
+        thread.join()
+print("stop request:", stop.signal, flush=True)
 """
 
 
-def test_copies_of_a_stop_signal_are_one_request_and_a_later_one_ends_even_a_rank_blocked_in_a_collective() -> None:
-    from lightning_mixedfsdp.recipes.stopping import REPEAT_WINDOW_S
+@contextlib.contextmanager
+def blocked_in_a_rendezvous(window: float) -> Iterator[Tuple[subprocess.Popen, int]]:
+    """A process whose stop request has the repeat window ``window``, its main thread blocked in C++ (the
+    rendezvous's store listens on the port it waits on) until the test comes as rank 1; killed if still there at
+    the end."""
+    from lightning_mixedfsdp.testing import free_port
 
-    process = subprocess.Popen(
-        [sys.executable, "-c", HUNG], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    assert process.stdout is not None and process.stdout.readline() == "blocked\n"
-    time.sleep(1.0)
-    first = time.monotonic()
-    for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT):  # a launcher's copies, within milliseconds
-        process.send_signal(signum)
-    time.sleep(1.0)
-    assert process.poll() is None  # one request: stop at the next step boundary
-    process.send_signal(signal.SIGINT)  # still inside the window
-    time.sleep(max(0.0, first + REPEAT_WINDOW_S + 0.3 - time.monotonic()))
-    assert process.poll() is None
-    process.send_signal(signal.SIGTERM)  # a new request after the window: abort
-    out, _ = process.communicate(timeout=30)
+    port = free_port()
+    with subprocess.Popen(
+        [sys.executable, "-c", BLOCKED, str(window), str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as process:
+        try:
+            wait_for(lambda: listening(port), f"a listener on port {port}", process)
+            yield process, port
+        finally:
+            if process.poll() is None:
+                process.kill()
+
+
+def listening(port: int) -> bool:
+    """Whether a socket listens on ``port``, from the kernel's tables (a probing connection could count as a peer)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rpartition(":")[2], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                return True
+    return False
+
+
+def deliver(process: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` and wait until the kernel has handed it to a thread of ``process``: the next one sent is a
+    delivery of its own, not merged into this one while pending."""
+
+    def delivered() -> bool:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{process.pid}/status").read_text().splitlines())
+        return not any(int(status[mask], 16) >> (signum - 1) & 1 for mask in ("SigPnd", "ShdPnd"))
+
+    process.send_signal(signum)
+    wait_for(delivered, f"the delivery of {signal.Signals(signum).name}", process)
+
+
+def wait_for(condition: Callable[[], bool], what: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 240  # bounds a hang only: the loop ends when the condition holds
+    while not condition():
+        assert process.poll() is None, f"the process ended waiting for {what}: {process.communicate()[0]}"
+        assert time.monotonic() < deadline, f"no {what} within 240 s"
+        time.sleep(0.01)
+
+
+def test_stop_signals_within_the_repeat_window_are_one_request_even_to_a_rank_blocked_in_a_collective() -> None:
+    """A launcher's copies and a later Ctrl-C, all within the (unbounded) window: one request, which the main
+    thread takes up once it returns from C++; the watcher judged every one of them before the process ends."""
+    from torch.distributed import TCPStore
+
+    with blocked_in_a_rendezvous(math.inf) as (process, port):
+        for signum in (signal.SIGTERM, signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+            deliver(process, signum)
+        # rank 1 comes, from a thread: a process that aborted fails the test now, not after the client's retries
+        rank_1 = {"world_size": 2, "is_master": False, "timeout": timedelta(seconds=240)}
+        threading.Thread(target=TCPStore, args=("127.0.0.1", port), kwargs=rank_1, daemon=True).start()
+        out, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, out
+    assert "again: aborting" not in out
+    assert out.count("stopping at the next step boundary") == 1, out
+    assert re.search(r"stop request: (2|15)\n", out), out
+
+
+def test_a_stop_signal_after_the_repeat_window_ends_a_rank_blocked_in_a_collective_at_once() -> None:
+    """With a window of 0 any second stop signal is a new request: the watcher thread ends the process while its
+    main thread stays blocked in C++ (its handler never runs, the rendezvous never completes)."""
+    with blocked_in_a_rendezvous(0.0) as (process, _):
+        deliver(process, signal.SIGTERM)
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=240)  # bounds a hang only: nothing but the abort ends the process
     assert process.returncode == 128 + signal.SIGTERM, out
     assert out.count("again: aborting") == 1 and "SIGTERM again: aborting" in out
+    assert "stopping at the next step boundary" not in out and "released" not in out
 
 
 def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tmp_path: Path) -> None:
