@@ -1,5 +1,6 @@
 """Faults at the edges of loads and exports, on 2 ranks: every rank raises the same kind of error naming the tensor or
-file, within the launch's bound (no rank is left in a collective), and nothing of the user's is lost.
+file, and nothing of the user's is lost. No rank is left in a collective: the launch's timeout (a hang bound, far
+below the process group's 30 minutes) would fail the module.
 
 Loads: a weight differing in its second dimension, a 0-dim buffer of another shape, a dtype that cannot load, a
 missing and an extra tensor, a truncated safetensors file (both reads), a DCP checkpoint missing a shard file.
@@ -13,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -78,15 +78,14 @@ def _write_cases(folder: Path) -> None:
 
 
 def _outcome(action: Callable[[], Any]) -> Dict[str, Any]:
-    """What a rank saw: the error's class and message (or none), and the seconds it took to see it."""
-    started = time.monotonic()
+    """What a rank saw: the error's class and message, or none."""
     try:
         action()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as error:  # torch DCP's CheckpointException is a BaseException
-        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
-    return {"error": None, "seconds": time.monotonic() - started}
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
 
 
 @contextmanager
@@ -162,7 +161,10 @@ def cases(folder: Path) -> Path:
     return folder
 
 
-LAUNCH = Launch(_faults, WORLD, timeout=240, with_folder=False, fixtures=("cases", "writable"))
+LAUNCH = Launch(_faults, WORLD, timeout=600, with_folder=False, fixtures=("cases", "writable"))
+pytestmark = pytest.mark.timeout(900)
+"""A hang bound above the launch's, which bounds a hang only: on a loaded machine the launch can pass pytest's
+default of 300 s."""
 
 
 def _every_rank(results: List[Dict[str, Any]], case: str, error: str, *named: str) -> None:
@@ -216,14 +218,6 @@ def test_an_export_into_a_folder_it_cannot_write_fails_on_every_rank_and_keeps_t
     assert all(r["after_read_only"]["error"] is None for r in results)  # the previous export loads
     assert sorted(p.name for p in writable.iterdir()) == ["export"]  # no staging folder left beside it
     assert "model.safetensors" in {p.name for p in (writable / "export").iterdir()}
-
-
-def test_every_fault_is_reported_within_the_bound(results: list) -> None:
-    """The launch's timeout bounds every case; each one took seconds, not a collective's timeout."""
-    for result in results:
-        for case, outcome in result.items():
-            if isinstance(outcome, dict):
-                assert outcome["seconds"] < 60, (case, outcome)
 
 
 CHUNK = 8 * 2**20
