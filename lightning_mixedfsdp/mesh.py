@@ -105,6 +105,7 @@ class ParallelDims:
     @classmethod
     def resolve(
         cls,
+        *,
         world_size: int,
         devices_per_node: int,
         data_parallel_size: MeshSize = "auto",
@@ -126,6 +127,7 @@ class ParallelDims:
     @classmethod
     def resolve_problems(
         cls,
+        *,
         world_size: int,
         devices_per_node: int,
         data_parallel_size: MeshSize = "auto",

@@ -221,7 +221,11 @@ FLAGS = {
 def mesh_problems(world_size: int, replicate: int, experts: int, context: int) -> List[str]:
     """What the strategy would refuse of these sizes at launch (``ParallelDims``), in the flags' names."""
     problems = ParallelDims.resolve_problems(
-        world_size, world_size, replicate=replicate, expert_parallel=experts, context_parallel=context
+        world_size=world_size,
+        devices_per_node=world_size,
+        replicate=replicate,
+        expert_parallel=experts,
+        context_parallel=context,
     )
     world = f"--world-size {world_size}"
     return [

@@ -82,10 +82,10 @@ def mesh_problems(recipe: Recipe) -> List[str]:
         return []
     world = recipe.world_size
     problems = ParallelDims.resolve_problems(
-        world,
-        trainer.devices,
-        strategy.data_parallel_size or "auto",
-        strategy.data_parallel_replicate_size,
+        world_size=world,
+        devices_per_node=trainer.devices,
+        data_parallel_size=strategy.data_parallel_size or "auto",
+        replicate=strategy.data_parallel_replicate_size,
         expert_parallel=experts,
         context_parallel=context,
     )
@@ -151,7 +151,7 @@ def strategy_problems(recipe: Recipe) -> List[str]:
     extra, fault tolerance without a lighthouse): the questions the strategy asks at construction, asked here so the
     runner refuses before any launch, in recipe keys."""
     config = recipe.mixed_fsdp_config()
-    problems = setting_problems(config, _device_type(recipe))
+    problems = [str(problem) for problem in setting_problems(config, _device_type(recipe))]
     lighthouse = missing_lighthouse(config.fault_tolerance) if config.fault_tolerance is not None else None
     return [recipe_spelling(problem) for problem in [*problems, *([lighthouse] if lighthouse else [])]]
 

@@ -106,15 +106,16 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         """Lightning's own: device, process group, and its 2-D ``("data_parallel", "tensor_parallel")`` mesh with its
         checks, for sizes :class:`~lightning_mixedfsdp.mesh.ParallelDims` resolved and validated first; HSDP and
         expert parallelism then build their meshes from the same dims."""
+        parallelism = self._config.parallelism
         dims = ParallelDims.resolve(
-            self.num_nodes * self.num_processes,
-            self.num_processes,
-            self._data_parallel_size,
-            self._replicate_size,
-            self._tensor_parallel_size,
-            self._config.parallelism.expert_parallel_size,
-            type(self).__name__,
-            self._config.parallelism.context_parallel_size,
+            world_size=self.num_nodes * self.num_processes,
+            devices_per_node=self.num_processes,
+            data_parallel_size=self._data_parallel_size,
+            replicate=self._replicate_size,
+            tensor_parallel_size=self._tensor_parallel_size,
+            expert_parallel=parallelism.expert_parallel_size,
+            context_parallel=parallelism.context_parallel_size,
+            owner=type(self).__name__,
         )
         # Lightning's own strategy sees every rank tensor parallelism leaves as its data-parallel size
         self._data_parallel_size, self._tensor_parallel_size = dims.lightning_data_parallel, dims.tensor_parallel

@@ -403,7 +403,7 @@ def test_context_parallel_size_must_divide_the_world() -> None:
         ValueError,
         match=r"^MixedFSDP2Strategy: .*; context_parallel_size=3 must divide the world size \(4\); use a divisor",
     ):
-        ParallelDims.resolve(4, 4, context_parallel=3, owner="MixedFSDP2Strategy")
+        ParallelDims.resolve(world_size=4, devices_per_node=4, context_parallel=3, owner="MixedFSDP2Strategy")
 
 
 def test_context_parallelism_with_tensor_parallelism_is_refused() -> None:

@@ -114,7 +114,7 @@ def _refusals(rank: int, world_size: int, url: str) -> Dict[str, Any]:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
-    meshes = ParallelDims.resolve(world_size, world_size, "auto", 1, 1, 1, "test").build_meshes("cpu")
+    meshes = ParallelDims.resolve(world_size=world_size, devices_per_node=world_size, owner="test").build_meshes("cpu")
     config = MixedFSDPConfig(fault_tolerance=FaultTolerance(**GOOD)).validate()
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
 
