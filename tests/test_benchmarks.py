@@ -272,3 +272,11 @@ def test_precision_monitor_benchmark_times_measured_and_plain_steps(capsys) -> N
     assert result["measured_s"] > 0 and result["plain_s"] > 0
     assert result["spread"] == result["extra_s"] / (50 * result["plain_s"])
     assert "| measured by the monitor |" in capsys.readouterr().out
+
+
+def test_ring_routing_times_a_step_with_and_without_the_mode(capsys) -> None:
+    from benchmarks import ring_routing
+
+    results = ring_routing.main(["--lengths", "32", "--repeats", "1"])
+    assert set(results[32]) == {"without", "with", "ratio"} and results[32]["with"] > 0
+    assert "| 32 |" in capsys.readouterr().out
