@@ -2,28 +2,26 @@
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.apply.optimizers import params_by_identity, rebind_optimizer
-from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
 from lightning_mixedfsdp.pipeline import ShardedModels
+from lightning_mixedfsdp.strategies.fabric_checkpoints import FabricCheckpointing
 from lightning_mixedfsdp.strategies.intake import ConfigInput
-from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl, has_dtensor_modules
-from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
+from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
 
-class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
+class MixedFSDP2Strategy(FabricCheckpointing):
     """FSDP2 for models whose params mix dtypes: keep-fp32 params stay fp32, no hand-written ``fully_shard``.
 
     Arguments are Lightning's ``ModelParallelStrategy``'s, in its order, plus:
@@ -116,44 +114,6 @@ class MixedFSDP2Strategy(MixedFSDP2Mixin, ModelParallelStrategy):
         super().teardown()
 
     @override
-    def save_checkpoint(
-        self,
-        path: PathLike,
-        state: Dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None,
-    ) -> None:
-        """Lightning's save (a DCP folder, or one file with ``save_distributed_checkpoint=False``), written beside
-        ``path`` and committed by rename: a save killed midway leaves the previous checkpoint intact. Under fault
-        tolerance one live replica group writes it, with torchft's step counters."""
-        write = super().save_checkpoint
-        if storage_options is not None:  # Lightning's own refusal, before anything is written
-            write(path, state, storage_options=storage_options)
-        optimizers, module = _optimizers_and_model(state)
-        self._save_checkpoint(
-            path,
-            state,
-            lambda temp, to_save: write(temp, to_save, storage_options=None, filter=filter),
-            self._saving_optimizers(module, optimizers),
-            module,
-        )
-
-    @override
-    def load_checkpoint(
-        self, path: PathLike, state: Optional[Any] = None, strict: bool = True, weights_only: Optional[bool] = None
-    ) -> Dict[str, Any]:
-        optimizers, module = _optimizers_and_model(state if isinstance(state, dict) else {})
-        read = super().load_checkpoint
-        return self._load_checkpoint(
-            path,
-            module,
-            optimizers,
-            weights_only,
-            lambda at: read(at, state=state, strict=strict, weights_only=weights_only),
-            strict,
-        )
-
-    @override
     def clip_gradients_norm(
         self,
         module: nn.Module,
@@ -181,11 +141,3 @@ class _MixedBackwardSyncControl(BackwardSyncControl):
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return self._sharded.no_sync([module], enabled)
-
-
-def _optimizers_and_model(state: Dict[str, Any]) -> Tuple[Dict[str, Optimizer], Optional[nn.Module]]:
-    """The optimizers of a checkpoint's state by key, and its distributed model (by Lightning's own test) when there
-    is exactly one."""
-    optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-    models = [value for value in state.values() if has_dtensor_modules(value)]
-    return optimizers, models[0] if len(models) == 1 else None
