@@ -17,7 +17,8 @@ class LanguageModel(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         # layer 1 is a Mamba-style mixer whose bare A_log sits beside dt_bias; the Mixer class declares
-        # _keep_in_fp32_modules = ["A_log"] as HF models do, so the strategy replicates A_log in fp32
+        # _keep_in_fp32_modules = ["A_log"] as HF models do and the default rules name dt_bias, so the strategy
+        # replicates both in fp32
         self.model = TinyLlama(TinyLlamaConfig(vocab_size=64, dim=64, n_layers=2, hidden_dim=128, mixer_layers=[1]))
 
     def training_step(self, tokens: torch.Tensor, _: int) -> torch.Tensor:

@@ -13,10 +13,19 @@ from lightning_mixedfsdp.config.options import FIX, MINIMUM, PATTERNS, OptionGro
 # suffixes: LlamaRMSNorm, T5LayerNorm, Qwen3NextRMSNormGated / MambaRMSNormGated, every HF rotary embedding
 DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "RMSNormGated", "LayerNorm", "RotaryEmbedding")
 DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
-# Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32; MoE router
-# correction biases (DeepSeek-V3's e_score_correction_bias, torchtitan's expert_bias): an aux-loss-free update of 1e-3
-# near a bias of 7 is below bf16's spacing there (0.03) and would be lost entirely
-DEFAULT_KEEP_FP32_PARAMS = (r"(^|\.)A_log$", r"(^|\.)(e_score_correction_bias|expert_bias)$")
+# Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32. Their
+# time-step biases (dt_bias, -7..-2 as initialised) sit where bf16 numbers are 0.016-0.03 apart, so AdamW's first
+# updates (about lr per element) round away; Mamba's skip weight D (1.0 at init) loses them the same way. D is matched
+# only inside HF's Mamba mixers (``mixer`` in Mamba/Mamba2/Nemotron-H, ``mamba`` in the hybrids), so an unrelated
+# param named D stays in the bulk dtype. MoE router correction biases (DeepSeek-V3's e_score_correction_bias,
+# torchtitan's expert_bias): an aux-loss-free update of 1e-3 near a bias of 7 is below bf16's spacing there (0.03) and
+# would be lost entirely (docs/dtypes.md)
+DEFAULT_KEEP_FP32_PARAMS = (
+    r"(^|\.)A_log$",
+    r"(^|\.)dt_bias$",
+    r"(^|\.)(mixer|mamba)\.D$",
+    r"(^|\.)(e_score_correction_bias|expert_bias)$",
+)
 
 StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
 DtypeChoice = Literal["auto", "bf16", "fp32"]
@@ -69,7 +78,8 @@ class Dtypes(OptionGroup):
         default_factory=lambda: list(DEFAULT_KEEP_FP32_PARAMS), metadata={PATTERNS: "regex"}
     )
     """Regular expressions searched in qualified param and buffer names; matches stay fp32. The default keeps
-    ``A_log`` (Mamba, GatedDeltaNet) and MoE router correction biases (``e_score_correction_bias``,
+    ``A_log`` and ``dt_bias`` (Mamba, GatedDeltaNet), Mamba's ``D`` (a ``D`` inside a module named ``mixer`` or
+    ``mamba``, as in HF's Mamba models and hybrids) and MoE router correction biases (``e_score_correction_bias``,
     ``expert_bias``) fp32, whatever dtype the model builds them in; a list of your own replaces it."""
 
     honor_hf_keep_in_fp32: bool = True

@@ -98,8 +98,9 @@ class SwiGLU(nn.Module):
 
 
 class Mixer(nn.Module):
-    """A Mamba/GatedDeltaNet-style token mixer: ``A_log`` and ``dt_bias`` are bare params of the same module, so no
-    module boundary separates an fp32 ``A_log`` from a bf16 ``dt_bias``."""
+    """A Mamba/GatedDeltaNet-style token mixer: ``A_log`` and ``dt_bias`` are bare params of the module that holds the
+    projections, so no module boundary separates them (fp32 under the default rules) from the bf16 projections, nor
+    an fp32 ``A_log`` from a bf16 ``dt_bias`` (``keep_fp32_params=[r"A_log$"]``)."""
 
     # declared the way HF models declare it, so the default rules (honor_hf_keep_in_fp32) keep A_log fp32
     _keep_in_fp32_modules = ["A_log"]

@@ -1,6 +1,9 @@
 """One dtype decision per tensor: every buffer rule on real HF models, on 2 ranks, after setup and after a checkpoint
-round trip (Fabric's DCP save and load into a fresh model)."""
+round trip (Fabric's DCP save and load into a fresh model); the state-space params the default rules keep fp32
+(``A_log``, ``dt_bias``, Mamba's ``D``) on HF Mamba2, Qwen3-Next and Falcon-H1, and a checkpoint saved under the
+rules before ``dt_bias`` and ``D`` joined them loading under the new ones with the manifest's warning."""
 
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -17,6 +20,43 @@ WORLD = 2
 FLAGS = ("bf16-true", "bf16-mixed", "32-true")
 ROPE = ("model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq")
 ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+# the default keep_fp32_params before dt_bias and Mamba's D joined them: what a checkpoint made then was saved under
+OLD_DEFAULT_PARAMS = [r"(^|\.)A_log$", r"(^|\.)(e_score_correction_bias|expert_bias)$"]
+A_LOG_RULE, DT_BIAS_RULE, D_RULE = r"param:(^|\.)A_log$", r"param:(^|\.)dt_bias$", r"param:(^|\.)(mixer|mamba)\.D$"
+# every state-space param of the tiny models' two layers, with the default rule that keeps it fp32
+SSM_PARAMS = {
+    "mamba2": {
+        f"backbone.layers.{i}.mixer.{n}": rule
+        for i in (0, 1)
+        for n, rule in (("A_log", A_LOG_RULE), ("dt_bias", DT_BIAS_RULE), ("D", D_RULE))
+    },
+    # layer 1 is full attention
+    "qwen3_next": {"model.layers.0.linear_attn.A_log": A_LOG_RULE, "model.layers.0.linear_attn.dt_bias": DT_BIAS_RULE},
+    # Falcon-H1: attention and a Mamba2 mixer side by side in every layer
+    "falcon_h1": {
+        f"model.layers.{i}.mamba.{n}": rule
+        for i in (0, 1)
+        for n, rule in (("A_log", A_LOG_RULE), ("dt_bias", DT_BIAS_RULE), ("D", D_RULE))
+    },
+}
+# the norms, kept by the default class rules
+SSM_NORMS = {
+    "mamba2": {
+        *(f"backbone.layers.{i}.{n}.weight" for i in (0, 1) for n in ("norm", "mixer.norm")),
+        "backbone.norm_f.weight",
+    },
+    "qwen3_next": {
+        *(f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm", "post_attention_layernorm")),
+        "model.layers.0.linear_attn.norm.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+        "model.norm.weight",
+    },
+    "falcon_h1": {
+        *(f"model.layers.{i}.{n}.weight" for i in (0, 1) for n in ("input_layernorm", "pre_ff_layernorm")),
+        "model.final_layernorm.weight",
+    },
+}
 
 
 class FrozenLlamaTower(nn.Module):
@@ -43,14 +83,21 @@ def _tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def _round_trip(
-    build: Any, precision: str, folder: Path, strategy_fields: Optional[Dict[str, Any]] = None
+    build: Any,
+    precision: str,
+    folder: Path,
+    strategy_fields: Optional[Dict[str, Any]] = None,
+    load_fields: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Set up ``build(0)`` and train one step, save; set up ``build(1)``, load; both states and the plan."""
+    """Set up ``build(0)`` and train one step (AdamW, lr 1e-3), save; set up ``build(1)``, load (under
+    ``load_fields`` in a Fabric of its own when given); the states before and after the step, the loaded one, the
+    keep-fp32 warnings of the load and the plan."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
     fields = strategy_fields or {}
     fabric = make_fabric(WORLD, precision, MixedFSDP2Strategy(**fields))
     model = fabric.setup(build(0))
+    initial = _tensors(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(fabric.global_rank))
     output = model(input_ids=tokens)
@@ -60,17 +107,43 @@ def _round_trip(
     plan = fabric.strategy.plan_of(model)
     saved = _tensors(model)
     fabric.save(folder, {"model": model})
-    fresh = fabric.setup(build(1))
-    fabric.load(folder, {"model": fresh})
+    target = fabric if load_fields is None else make_fabric(WORLD, precision, MixedFSDP2Strategy(**load_fields))
+    fresh = target.setup(build(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.load(folder, {"model": fresh})
     rules = {
         **{n: None if p.rule is None else str(p.rule) for n, p in plan.params.items()},
         **{n: b.set_by for n, b in plan.buffers.items()},
     }
-    return {"saved": saved, "loaded": _tensors(fresh), "rules": rules, "report": format_plan(plan)}
+    return {
+        "initial": initial,
+        "saved": saved,
+        "loaded": _tensors(fresh),
+        "load_warnings": [str(w.message) for w in caught if "keep-fp32 rules" in str(w.message)],
+        "rules": rules,
+        "param_dtypes": {n: saved[n].dtype for n in plan.params},
+        "report": format_plan(plan),
+    }
 
 
 def _llama(seed: int) -> nn.Module:
     return tiny_model("llama", seed=seed)
+
+
+def _mamba2(seed: int) -> nn.Module:
+    return tiny_model("mamba2", seed=seed)
+
+
+def _qwen3_next(seed: int) -> nn.Module:
+    return tiny_model("qwen3_next", seed=seed)
+
+
+def _falcon_h1(seed: int) -> nn.Module:
+    return tiny_model("falcon_h1", seed=seed)
+
+
+SSM_BUILDS = {"mamba2": _mamba2, "qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1}
 
 
 def _dots1_in_bf16(seed: int) -> nn.Module:
@@ -148,6 +221,12 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         _TowerWithIds, "bf16-mixed", root / "tower", {"wrap_units": TOWER_UNITS, "keep_fp32_params": [r"std_scale$"]}
     )
     out["plugin"] = _plugin_agreement(rank)
+    for name, build in SSM_BUILDS.items():
+        out[name] = _round_trip(build, "bf16-true", root / name)
+    # a checkpoint made before dt_bias and D were kept fp32 by default, resumed under the defaults now
+    out["mamba2/old_rules"] = _round_trip(
+        _mamba2, "bf16-true", root / "mamba2-old", {"keep_fp32_params": OLD_DEFAULT_PARAMS}, load_fields={}
+    )
     return out
 
 
@@ -212,3 +291,63 @@ def test_a_user_passed_plugin_takes_the_strategys_dtypes(results: list) -> None:
         assert out["plugin_bulk"] == out["plan_bulk"] == (torch.float32, torch.bfloat16, torch.bfloat16)
         assert out["dtypes"] == out["planned"]
         assert out["dtypes"]["model.layers.0.mlp.up_proj.weight"] == torch.float32
+
+
+@pytest.mark.parametrize("model_type", SSM_BUILDS)
+def test_state_space_params_are_fp32_by_default_and_a_bf16_true_step_moves_them(results: list, model_type: str) -> None:
+    kept = SSM_PARAMS[model_type]
+    for name, rule in kept.items():
+        _assert_both(results, model_type, name, torch.float32, rule)
+    fp32 = {*kept, *SSM_NORMS[model_type]}
+    for result in results:
+        out = result[model_type]
+        assert out["param_dtypes"] == {n: torch.float32 if n in fp32 else torch.bfloat16 for n in out["param_dtypes"]}
+        for name in kept:
+            # AdamW's first update, about lr = 1e-3 per element, is kept in fp32: every element moved
+            assert (out["saved"][name] != out["initial"][name]).all(), (model_type, name)
+
+
+def test_a_checkpoint_saved_before_dt_bias_and_d_were_kept_loads_under_the_new_defaults_with_the_difference(
+    results: list,
+) -> None:
+    out = results[0]["mamba2/old_rules"]
+    added = {n: rule for n, rule in SSM_PARAMS["mamba2"].items() if rule != A_LOG_RULE}
+    (warning,) = out["load_warnings"]
+    listed = ", ".join(f"{name} ({added[name]})" for name in sorted(added))
+    assert f"(now kept fp32: {listed})" in warning and "no longer kept fp32" not in warning
+    assert results[1]["mamba2/old_rules"]["load_warnings"] == []  # rank 0 warns
+    for result in results:
+        out = result["mamba2/old_rules"]
+        for name in added:
+            saved, loaded = out["saved"][name], out["loaded"][name]
+            # saved in bf16, where AdamW's first update (about 1e-3) rounded away on every element
+            assert saved.dtype == torch.bfloat16 and torch.equal(saved, out["initial"][name]), name
+            assert loaded.dtype == torch.float32 and torch.equal(loaded, saved.float()), name  # widened exactly
+        for name in out["saved"].keys() - added.keys():
+            assert out["loaded"][name].dtype == out["saved"][name].dtype, name
+            assert torch.equal(out["loaded"][name], out["saved"][name]), name
+
+
+class _UnrelatedD(nn.Module):
+    """Params named ``D`` (and near it) outside a Mamba mixer, beside the two places HF's Mamba mixers live."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.D = nn.Parameter(torch.ones(4))
+        self.gate = nn.Linear(4, 4)
+        self.gate.D = nn.Parameter(torch.ones(4))
+        self.layers = nn.ModuleList([nn.Module(), nn.Module()])
+        self.layers[0].mixer = nn.Linear(4, 4)
+        self.layers[0].mixer.D = nn.Parameter(torch.ones(4))
+        self.layers[0].mixer.D_scale = nn.Parameter(torch.ones(4))
+        self.layers[1].mamba = nn.Linear(4, 4)
+        self.layers[1].mamba.D = nn.Parameter(torch.ones(4))
+        self.layers[1].mamba.mixer_D = nn.Parameter(torch.ones(4))
+
+
+def test_the_default_rules_keep_only_a_mamba_mixers_d_fp32() -> None:
+    from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
+
+    plan = plan_sharding(_UnrelatedD(), MixedFSDPConfig(), "bf16-true")
+    fp32 = {n for n, p in plan.params.items() if p.key.storage == torch.float32}
+    assert fp32 == {"layers.0.mixer.D", "layers.1.mamba.D"}
