@@ -555,18 +555,23 @@ def test_a_dry_run_with_lora_without_peft_says_the_install_line(
 
 
 def test_the_last_line_says_before_for_pretrained_weights_and_untrained_from_scratch() -> None:
+    """The lines README quotes are the runner's own, for README's numbers."""
     import math
+    import re
 
     from lightning_mixedfsdp.recipes.runner import Outcome, summary
 
-    sft = summary(Outcome(math.exp(3.0769), math.exp(1.3627), 300), fine_tuned=True, pretrained=True)
-    assert sft == (
-        "held-out loss on the trained tokens: 3.0769 before -> 1.3627 after 300 steps (perplexity 21.69 -> 3.91)"
-    )
-    scratch = summary(Outcome(267.98, 10.50, 250), fine_tuned=False, pretrained=False)
-    assert scratch == "held-out perplexity: 267.98 untrained -> 10.50 after 250 steps"
+    readme = (ROOT / "README.md").read_text()
+    number = r"([0-9.]+)"
+    first, last, steps = re.search(rf"trained tokens: {number} before -> {number} after (\d+) steps", readme).groups()
+    sft = summary(Outcome(math.exp(float(first)), math.exp(float(last)), int(steps)), fine_tuned=True, pretrained=True)
+    assert sft.startswith(f"held-out loss on the trained tokens: {first} before -> {last} after {steps} steps")
+    start, end, steps = re.search(
+        rf"held-out perplexity: {number} untrained -> {number} after (\d+) steps", readme
+    ).groups()
+    scratch = summary(Outcome(float(start), float(end), int(steps)), fine_tuned=False, pretrained=False)
+    assert scratch == f"held-out perplexity: {start} untrained -> {end} after {steps} steps"
     assert summary(Outcome(21.69, 3.91, 300), fine_tuned=False, pretrained=True).startswith(
         "held-out perplexity: 21.69 before"
     )
-    readme = (ROOT / "README.md").read_text()
     assert sft in readme and scratch in readme  # the lines README quotes, as the runner prints them
