@@ -5,7 +5,9 @@ below the process group's 30 minutes) would fail the module.
 Loads: a weight differing in its second dimension, a 0-dim buffer of another shape, a dtype that cannot load, a
 missing and an extra tensor, a truncated safetensors file (both reads), a DCP checkpoint missing a shard file.
 Exports: into a folder that cannot be written (the previous export stays and loads), and a memory bound: each rank's
-peak RSS growth during the export of a model whose largest tensor is 4x the chunk stays under 2 chunks. A killed
+peak RSS growth during the export of a model whose largest tensor is 16x the chunk stays under 4 chunks (a gather
+of the whole tensor would grow by 16; a chunk's gather and its write copy take 2, and the allocator and gloo's
+buffers add some: 11 to 23 MiB measured with 8 MiB chunks). A killed
 export is ``test_an_export_killed_midway_leaves_the_previous_one`` (its own process)."""
 
 import ctypes
@@ -224,12 +226,12 @@ CHUNK = 8 * 2**20
 
 
 def _rss_during_export(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
-    """Peak RSS growth of this rank during the export of a model whose largest tensor is 4 chunks, in fp32."""
+    """Peak RSS growth of this rank during the export of a model whose largest tensor is 16 chunks, in fp32."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
 
     fabric = make_fabric(world_size, "32-true", MixedFSDP2Strategy(weights={"export_chunk_bytes": CHUNK}))
     torch.manual_seed(0)
-    model = fabric.setup(nn.Sequential(nn.Linear(2048, 4096, bias=False), nn.Linear(4096, 16, bias=False)))
+    model = fabric.setup(nn.Sequential(nn.Linear(4096, 8192, bias=False), nn.Linear(8192, 16, bias=False)))
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
@@ -246,13 +248,13 @@ def _rss_kib(field: str) -> int:
     raise AssertionError(field)
 
 
-def test_an_export_holds_under_two_chunks_of_a_tensor_four_chunks_large(folder: Path) -> None:
+def test_an_export_holds_under_four_chunks_of_a_tensor_sixteen_chunks_large(folder: Path) -> None:
     results = run_distributed(_rss_during_export, WORLD, str(folder), timeout=180)
-    assert results[0]["largest"] == 4 * CHUNK
+    assert results[0]["largest"] == 16 * CHUNK
     for rank, result in enumerate(results):
-        assert result["growth"] < 2 * CHUNK, (rank, result["growth"] / 2**20)
+        assert result["growth"] < 4 * CHUNK, (rank, result["growth"] / 2**20)
     written = load_file(str(folder / "rss_export" / "model.safetensors"))
-    assert written["0.weight"].shape == (4096, 2048)
+    assert written["0.weight"].shape == (8192, 4096)
 
 
 def test_an_export_killed_midway_leaves_the_previous_one(tmp_path: Path) -> None:
