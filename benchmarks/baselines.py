@@ -5,7 +5,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama
+from lightning_mixedfsdp.recipes.models.tiny_llama import RMSNorm, TinyLlama
 
 
 def shard_uniform(model: TinyLlama, mesh: Any, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> nn.Module:

@@ -20,7 +20,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.testing import run_distributed
 
 

@@ -26,7 +26,7 @@ from benchmarks.common import (
     training_state_bytes,
 )
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
-from lightning_mixedfsdp.recipes.models import TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.testing import run_distributed
 
 

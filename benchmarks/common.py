@@ -12,7 +12,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.apply.applier import apply_dtypes
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
 CONFIGS = {
     "a": "uniform all-bf16 FSDP2 (norms bf16: fast, numerically wrong)",

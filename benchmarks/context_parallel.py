@@ -52,7 +52,7 @@ def _measure(rank: int, world: int, lengths: List[int], rotate: str) -> Dict[Any
     from lightning.fabric import Fabric
 
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     torch.set_num_threads(1)
     setups = {}

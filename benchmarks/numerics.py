@@ -20,9 +20,9 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.compat.extras import missing_message
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.data import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
-from lightning_mixedfsdp.recipes.lm import warmup_cosine
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.data.text import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.objectives.objective import warmup_cosine
 from lightning_mixedfsdp.testing import run_distributed
 
 RUNS = {

@@ -18,7 +18,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.apply.applier import apply_plan
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.planning.memory import estimate_memory
-from lightning_mixedfsdp.recipes.dry_run import build_on_meta, load_hf_config
+from lightning_mixedfsdp.recipes.run.dry_run import build_on_meta, load_hf_config
 from lightning_mixedfsdp.testing import run_distributed
 
 CONFIGS = Path(__file__).resolve().parent / "configs"

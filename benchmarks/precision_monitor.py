@@ -23,7 +23,7 @@ def _measure(rank: int, world: int, steps: int, dim: int, seq: int, batch: int) 
 
     from lightning_mixedfsdp import PrecisionMonitor
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
 
     torch.set_num_threads(1)
     strategy = MixedFSDP2Strategy(keep_fp32_modules=["RMSNorm"], keep_fp32_params=[r"\.A_log$"])

@@ -21,7 +21,7 @@ DIMS = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, hidden_dim=384)
 
 
 def _step(model: Any, optimizer: Any, tokens: torch.Tensor) -> float:
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     started = time.perf_counter()
     loss = causal_lm_loss(model(tokens), tokens)
@@ -33,7 +33,7 @@ def _step(model: Any, optimizer: Any, tokens: torch.Tensor) -> float:
 
 def main(argv: Any = None) -> Dict[int, Dict[str, float]]:
     from lightning_mixedfsdp.apply.context_parallel import _RingAttentionMode
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])

@@ -16,7 +16,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.compat.torch import fsdp_param_groups
 from lightning_mixedfsdp.mesh import build_parallel_meshes
 from lightning_mixedfsdp.pipeline import shard_model
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.testing import run_distributed
 
 

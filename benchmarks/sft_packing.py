@@ -21,9 +21,9 @@ DIMS = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, hidden_dim=384, mixe
 
 
 def _rows(seq_len: int, packed: bool) -> Any:
-    from lightning_mixedfsdp.recipes.data import ByteTokenizer
-    from lightning_mixedfsdp.recipes.schema import DataSection
-    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, fine_tuning_examples, packed_rows, padded_rows
+    from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, fine_tuning_examples, packed_rows, padded_rows
+    from lightning_mixedfsdp.recipes.data.text import ByteTokenizer
+    from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
     data = DataSection(format="chat", seq_len=seq_len)
     splits = fine_tuning_examples(data, ExampleMaker(data, "chat", ByteTokenizer()))
@@ -35,7 +35,7 @@ def _measure(rank: int, world: int, steps: int, seq_len: int, batch: int) -> Dic
     from lightning.fabric import Fabric
 
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     torch.set_num_threads(1)
     fabric = Fabric(

@@ -9,11 +9,12 @@ sequences. Expert parallelism splits the shard ranks into ``expert_data_parallel
 """
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, List, Literal, Optional, Tuple, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
 
 from torch import nn
 
 from lightning_mixedfsdp.compat.torch import flatten_mesh
+from lightning_mixedfsdp.config.groups import MeshSize
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -26,9 +27,6 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
 )
 EXPERT_DATA_PARALLEL, EXPERT_PARALLEL = "expert_data_parallel", "expert_parallel"
 CONTEXT_PARALLEL, DP_SHARD_CP, GRADIENT = "context_parallel", "data_parallel_shard_cp", "gradient"
-
-MeshSize = Union[Literal["auto"], int]
-"""A mesh size as Lightning's strategies take it: an int, or ``"auto"`` to be resolved from the world."""
 
 TModel = TypeVar("TModel", bound=nn.Module)
 ParallelizeFn = Callable[[TModel, "DeviceMesh"], TModel]

@@ -22,7 +22,7 @@ def main() -> None:
 
     import lightning_mixedfsdp  # noqa: F401
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     strategy = MixedFSDP2Strategy(keep_fp32_params=A_LOG, save_distributed_checkpoint=mode == "sharded")
     fabric = Fabric(accelerator=accelerator_for(1), devices=1, strategy=strategy, precision="bf16-true")

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama, TinyLlamaConfig, causal_lm_loss
+from lightning_mixedfsdp.recipes.models.tiny_llama import RMSNorm, TinyLlama, TinyLlamaConfig, causal_lm_loss
 
 LLAMA = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
 BATCH_PER_RANK, SEQ = 2, 16

@@ -5,10 +5,10 @@ group's ``semantic_problems``."""
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional
+from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
 from lightning_mixedfsdp.compat.transformers import EXPERTS_STYLE, SPLIT_STYLE
-from lightning_mixedfsdp.config.options import FIX, MINIMUM, PATTERNS, OptionGroup
+from lightning_mixedfsdp.config.options import ABOVE, FIX, MINIMUM, PATTERNS, OptionGroup
 
 # suffixes: LlamaRMSNorm, T5LayerNorm, Qwen3NextRMSNormGated / MambaRMSNormGated, every HF rotary embedding
 DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "RMSNormGated", "LayerNorm", "RotaryEmbedding")
@@ -35,6 +35,8 @@ QuantizeBase = Literal["nf4"]
 Float8Recipe = Literal["tensorwise", "rowwise"]
 Offload = Literal["cpu"]
 RotateMethod = Literal["allgather", "alltoall"]
+MeshSize = Union[Literal["auto"], int]
+"""A mesh degree: an int >= 1, or ``"auto"`` (Lightning's word for what the other degrees leave)."""
 
 _SELECTIVE = re.compile(r"selective:([1-9][0-9]*)")
 
@@ -264,19 +266,35 @@ class Buffers(OptionGroup):
 
 @dataclass
 class Parallelism(OptionGroup):
-    """The parallel dims the dtype plan adds beside the mesh sizes the strategy takes (``data_parallel_size``,
-    ``data_parallel_replicate_size``, ``tensor_parallel_size``): context parallelism (each sequence split across
-    ranks) and expert parallelism (each MoE layer's experts split across ranks)."""
+    """Every parallel degree: the data-parallel shard and replicate ranks, tensor parallelism, context parallelism
+    (each sequence split across ranks) and expert parallelism (each MoE layer's experts split across ranks). The
+    strategies' ``data_parallel_size``, ``tensor_parallel_size`` and ``data_parallel_replicate_size`` arguments set
+    the first three (Lightning's names); their product with ``context_parallel_size`` is the world size."""
 
     FLAT_NAMES: ClassVar[Mapping[str, str]] = {
         name: name
         for name in (
+            "data_parallel_size",
+            "data_parallel_replicate_size",
+            "tensor_parallel_size",
             "context_parallel_size",
             "context_parallel_rotate",
             "expert_parallel_size",
             "expert_parallel_plan",
         )
     }
+
+    data_parallel_size: MeshSize = field(default="auto", metadata={MINIMUM: 1})
+    """Ranks each param is sharded over (FSDP's shard dim, mesh dim ``dp_shard``). ``"auto"``: every rank the other
+    degrees leave."""
+
+    data_parallel_replicate_size: int = field(default=1, metadata={MINIMUM: 1, FIX: "use 1 for plain FSDP"})
+    """HSDP: replicas of the sharded model (e.g. one per node; mesh dim ``dp_replicate``), whose gradients are
+    all-reduced. ``1``: plain FSDP."""
+
+    tensor_parallel_size: MeshSize = field(default=1, metadata={MINIMUM: 1})
+    """Tensor parallelism by your ``parallelize_fn`` (mesh dim ``tensor_parallel``). ``"auto"``: the devices of a node
+    (Lightning's default); ``1``: off."""
 
     context_parallel_size: int = field(default=1, metadata={MINIMUM: 1, FIX: "use 1 to leave context parallelism off"})
     """Context parallelism: every sequence is split over this many ranks (mesh dim ``context_parallel``), each
@@ -353,10 +371,6 @@ class Weights(OptionGroup):
     and written in slices of about this many bytes."""
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass
 class FaultTolerance(OptionGroup):
     """Fault-tolerant replica groups (torchft): each group is one ordinary launch whose ranks shard as usual; across
@@ -364,11 +378,11 @@ class FaultTolerance(OptionGroup):
     succeeded, and a group that dies and restarts heals from a live one. A mapping of these fields is accepted
     wherever this class is."""
 
-    replica_id: Optional[int] = None
+    replica_id: Optional[int] = field(default=None, metadata={MINIMUM: 0, FIX: "use 0 to num_replica_groups - 1"})
     """This launch's replica group, ``0 <= replica_id < num_replica_groups`` (required). A restarted group keeps its
     id."""
 
-    num_replica_groups: Optional[int] = None
+    num_replica_groups: Optional[int] = field(default=None, metadata={MINIMUM: 1})
     """How many replica groups the job runs (required): the data splits into that many parts times each group's
     data-parallel ranks, and group ``replica_id`` draws its own part, whether or not the others are alive."""
 
@@ -376,52 +390,39 @@ class FaultTolerance(OptionGroup):
     """The torchft lighthouse's URL (``http://host:29510``); ``None``: ``$TORCHFT_LIGHTHOUSE``. Start it yourself with
     ``torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000`` from the torchft the trainers import."""
 
-    min_replicas: int = 1
+    min_replicas: int = field(default=1, metadata={MINIMUM: 1})
     """Fewest replica groups a step may commit with; a step with fewer participants is discarded."""
 
-    timeout_s: float = 60.0
+    timeout_s: float = field(default=60.0, metadata={ABOVE: 0, FIX: "give seconds, e.g. 60"})
     """Seconds a cross-group reduction, commit vote or heal transfer may take before the step is discarded."""
 
-    quorum_timeout_s: float = 60.0
+    quorum_timeout_s: float = field(default=60.0, metadata={ABOVE: 0, FIX: "give seconds, e.g. 60"})
     """Seconds a step waits for the lighthouse to form a quorum."""
 
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = field(default=10.0, metadata={ABOVE: 0, FIX: "give seconds, e.g. 10"})
     """Seconds to reach the lighthouse (and a peer's manager) before setup fails with the URL."""
 
-    def problems(self, name: str = "fault_tolerance") -> List[str]:
-        """Every problem of these settings, each with its fix; empty when valid (the messages say what is missing,
-        so the generic type checks do not repeat them)."""
+    def semantic_problems(self) -> List[str]:
         problems = []
-        groups = self.num_replica_groups
+        groups, replica = self.num_replica_groups, self.replica_id
         if groups is None:
             problems.append(
-                f"{name}.num_replica_groups is missing; set it to the number of replica groups the job launches"
-                " (e.g. 2)."
+                "num_replica_groups is missing; set it to the number of replica groups the job launches (e.g. 2)."
             )
-        elif not _is_int(groups) or groups < 1:
-            problems.append(f"{name}.num_replica_groups={groups!r} must be an int >= 1.")
-        replica = self.replica_id
         if replica is None:
             problems.append(
-                f"{name}.replica_id is missing; give each launch its group's id, 0 to num_replica_groups - 1"
+                "replica_id is missing; give each launch its group's id, 0 to num_replica_groups - 1"
                 " (e.g. strategy.fault_tolerance.replica_id=1)."
             )
-        elif not _is_int(replica) or replica < 0:
-            problems.append(f"{name}.replica_id={replica!r} must be an int >= 0 (0 to num_replica_groups - 1).")
-        elif isinstance(groups, int) and groups >= 1 and replica >= groups:
+        elif (
+            isinstance(groups, int) and isinstance(replica, int) and 0 <= replica and groups >= 1 and replica >= groups
+        ):
             problems.append(
-                f"{name}.replica_id={replica!r} is not below num_replica_groups={groups!r}; use 0 to {groups - 1}, or"
+                f"replica_id={replica!r} is not below num_replica_groups={groups!r}; use 0 to {groups - 1}, or"
                 " raise num_replica_groups."
             )
-        if not _is_int(self.min_replicas) or self.min_replicas < 1:
-            problems.append(f"{name}.min_replicas={self.min_replicas!r} must be an int >= 1.")
-        for seconds in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
-            value = getattr(self, seconds)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                problems.append(f"{name}.{seconds}={value!r} must be a number of seconds > 0.")
         if self.lighthouse is not None and not str(self.lighthouse).strip():
             problems.append(
-                f"{name}.lighthouse is empty; give the lighthouse's URL (http://host:29510) or None for"
-                " $TORCHFT_LIGHTHOUSE."
+                "lighthouse is empty; give the lighthouse's URL (http://host:29510) or None for $TORCHFT_LIGHTHOUSE."
             )
         return problems

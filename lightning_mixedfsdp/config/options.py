@@ -16,6 +16,8 @@ PATTERNS = "patterns"
 """Field metadata key: ``"names"`` (class names, each non-empty) or ``"regex"`` (each a valid regular expression)."""
 MINIMUM = "minimum"
 """Field metadata key: the smallest number the field takes."""
+ABOVE = "above"
+"""Field metadata key: the number the field must exceed (a duration: ``0``)."""
 FIX = "fix"
 """Field metadata key: how to fix a value below the minimum."""
 
@@ -75,6 +77,11 @@ def value_problems(name: str, value: Any, hint: Any, field: Any) -> List[str]:
     if value is None:
         return [] if optional else [f"{name}=None is not allowed; give a {_describe(hint)}."]
     origin = get_origin(hint)
+    if origin in (Union, getattr(types, "UnionType", Union)):  # a word or a number: "auto" or an int >= 1
+        members = get_args(hint)
+        if any(not value_problems(name, value, member, field) for member in members):
+            return []
+        return [_either_problem(name, value, members, field.metadata)]
     if origin is Literal:
         choices = list(get_args(hint))
         if value not in choices:
@@ -98,14 +105,31 @@ def value_problems(name: str, value: Any, hint: Any, field: Any) -> List[str]:
 
 
 def _number_problems(name: str, value: Any, hint: type, metadata: Mapping[str, Any]) -> List[str]:
-    minimum = metadata.get(MINIMUM)
+    minimum, above = metadata.get(MINIMUM), metadata.get(ABOVE)
     fix = metadata.get(FIX)
-    kind = "an int" if hint is int else "a number"
     valid_type = not isinstance(value, bool) and isinstance(value, (int,) if hint is int else (int, float))
-    if valid_type and (minimum is None or value >= minimum):
+    if valid_type and (minimum is None or value >= minimum) and (above is None or value > above):
         return []
-    bound = f" >= {minimum}" if minimum is not None else ""
-    return [f"{name}={value!r} must be {kind}{bound}{'; ' + fix if fix else ''}."]
+    return [f"{name}={value!r} must be {_number_kind(hint, metadata)}{'; ' + fix if fix else ''}."]
+
+
+def _number_kind(hint: Any, metadata: Mapping[str, Any]) -> str:
+    """``an int >= 1``, ``a number > 0``: what a number field takes."""
+    minimum, above = metadata.get(MINIMUM), metadata.get(ABOVE)
+    bound = f" >= {minimum}" if minimum is not None else f" > {above}" if above is not None else ""
+    return f"{'an int' if hint is int else 'a number'}{bound}"
+
+
+def _either_problem(name: str, value: Any, members: Tuple[Any, ...], metadata: Mapping[str, Any]) -> str:
+    """One problem for a value no member of a union takes: ``'auto' or an int >= 1``."""
+    kinds = [
+        " or ".join(repr(choice) for choice in get_args(member))
+        if get_origin(member) is Literal
+        else _number_kind(member, metadata)
+        for member in members
+    ]
+    fix = metadata.get(FIX)
+    return f"{name}={value!r} must be {' or '.join(kinds)}{'; ' + fix if fix else ''}."
 
 
 def _list_problems(name: str, value: Any, patterns: Optional[str]) -> List[str]:

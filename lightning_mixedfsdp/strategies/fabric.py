@@ -16,7 +16,7 @@ from lightning_mixedfsdp.apply.optimizers import params_by_identity, rebind_opti
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
 from lightning_mixedfsdp.pipeline import ShardedModels
 from lightning_mixedfsdp.strategies.fabric_checkpoints import FabricCheckpointing
-from lightning_mixedfsdp.strategies.intake import ConfigInput
+from lightning_mixedfsdp.strategies.intake import ConfigInput, given
 from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
@@ -30,37 +30,39 @@ class MixedFSDP2Strategy(FabricCheckpointing):
             name (``keep_fp32_params=[r"A_log$"]``, ``float8="tensorwise"``).
         data_parallel_replicate_size: HSDP: replicas of the sharded model (e.g. one per node). 1 means plain FSDP.
 
+    The three sizes are the config's ``parallelism`` fields of the same names (beside ``context_parallel_size`` and
+    ``expert_parallel_size``), given here as Lightning's arguments; one left out (``None``) keeps the config's value,
+    by default ``data_parallel_size="auto"`` (every rank the other degrees leave), ``tensor_parallel_size=1``
+    (Lightning's ``"auto"``, the devices of a node, is accepted too) and ``data_parallel_replicate_size=1``.
+
     ``parallelize_fn(model, device_mesh)`` is optional (e.g. tensor parallelism), run before the dtype-grouped FSDP
-    on the data-parallel mesh; if it shards with FSDP itself, no plan is applied. ``data_parallel_size="auto"`` takes
-    every rank tensor parallelism and replication leave; ``tensor_parallel_size`` defaults to 1 (Lightning's
-    ``"auto"``, the devices of a node, is accepted too).
+    on the data-parallel mesh; if it shards with FSDP itself, no plan is applied.
     """
 
     def __init__(
         self,
         parallelize_fn: Optional[ParallelizeFn] = None,
-        data_parallel_size: MeshSize = "auto",
-        tensor_parallel_size: MeshSize = 1,
+        data_parallel_size: Optional[MeshSize] = None,
+        tensor_parallel_size: Optional[MeshSize] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         *,
         config: ConfigInput = None,
-        data_parallel_replicate_size: int = 1,
+        data_parallel_replicate_size: Optional[int] = None,
         **options: Any,
     ) -> None:
-        self._intake(
-            config,
-            options,
-            data_parallel_size,
-            data_parallel_replicate_size,
-            tensor_parallel_size,
-            process_group_backend,
-        )
+        sizes = {
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            "data_parallel_replicate_size": data_parallel_replicate_size,
+        }
+        self._intake(config, {**given(sizes), **options}, process_group_backend)
+        parallelism = self._config.parallelism
         super().__init__(
             parallelize_fn=parallelize_fn,  # type: ignore[arg-type]
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=parallelism.data_parallel_size,
+            tensor_parallel_size=parallelism.tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -9,7 +9,6 @@ from lightning.fabric.plugins.precision.precision import Precision
 
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance, fault_tolerance_for
-from lightning_mixedfsdp.mesh import check_sizes
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision, TPlugin, adopt_precision, plugin_or_default
 from lightning_mixedfsdp.strategies.process_group import process_group_backend as process_group_backend_for
 from lightning_mixedfsdp.strategies.settings import accelerator_device_type, check_accelerator, check_extras
@@ -19,36 +18,31 @@ STRATEGY_NAME = "mixed_fsdp2"
 ConfigInput = Union[MixedFSDPConfig, Mapping[str, Any], None]
 
 
+def given(arguments: Dict[str, Any]) -> Dict[str, Any]:
+    """The arguments a strategy was given (not ``None``): Lightning's mesh sizes, which are config options too."""
+    return {name: value for name, value in arguments.items() if value is not None}
+
+
 class IntakeMixin:
     """The settings half of :class:`~lightning_mixedfsdp.strategies.mixin.MixedFSDP2Mixin`: the config, the
     precision plugin, the accelerator and the backend, each checked as Lightning hands it over."""
 
     _config: MixedFSDPConfig
     _fault_tolerance: NoFaultTolerance
-    _replicate_size: int
     _process_group_backend: Optional[str]
     _accelerator: Any
     root_device: torch.device  # provided by Lightning's strategies
 
-    def _intake(
-        self,
-        config: ConfigInput,
-        options: Dict[str, Any],
-        data_parallel: Any,
-        replicate: int,
-        tensor_parallel: Any,
-        process_group_backend: Optional[str],
-    ) -> None:
+    def _intake(self, config: ConfigInput, options: Dict[str, Any], process_group_backend: Optional[str]) -> None:
         """Before Lightning's ``__init__``, which already calls the precision setter that needs the config: the
-        config, the mesh sizes, missing extras (torchao, torchft), a process group backend offload cannot use."""
+        config (the mesh sizes among its options), missing extras (torchao, torchft), a process group backend offload
+        cannot use."""
         owner = type(self).__name__
         self._config = MixedFSDPConfig.from_input(config, options, owner)
-        check_sizes(data_parallel, replicate, tensor_parallel, owner)
         check_extras(self._config, owner)
         if process_group_backend is not None:  # refused now when it has no host part for offload's collectives
             process_group_backend_for("cuda", process_group_backend, self._host_collectives, owner)
         self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
-        self._replicate_size = replicate
         self._reset_state()
 
     def _reset_state(self) -> None:

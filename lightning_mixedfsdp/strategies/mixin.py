@@ -110,9 +110,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         dims = ParallelDims.resolve(
             world_size=self.num_nodes * self.num_processes,
             devices_per_node=self.num_processes,
-            data_parallel_size=self._data_parallel_size,
-            replicate=self._replicate_size,
-            tensor_parallel_size=self._tensor_parallel_size,
+            data_parallel_size=parallelism.data_parallel_size,
+            replicate=parallelism.data_parallel_replicate_size,
+            tensor_parallel_size=parallelism.tensor_parallel_size,
             expert_parallel=parallelism.expert_parallel_size,
             context_parallel=parallelism.context_parallel_size,
             owner=type(self).__name__,

@@ -17,7 +17,7 @@ from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.checkpoint.optimizer_state import AbsentStateRecord
 from lightning_mixedfsdp.mesh import MeshSize
 from lightning_mixedfsdp.strategies.discarded_steps import HeldSchedulers
-from lightning_mixedfsdp.strategies.intake import ConfigInput
+from lightning_mixedfsdp.strategies.intake import ConfigInput, given
 from lightning_mixedfsdp.strategies.lightning_compat import (
     TrainerStepCounter,
     optimizers_to_device,
@@ -52,27 +52,26 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
 
     def __init__(
         self,
-        data_parallel_size: MeshSize = "auto",
-        tensor_parallel_size: MeshSize = 1,
+        data_parallel_size: Optional[MeshSize] = None,
+        tensor_parallel_size: Optional[MeshSize] = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         *,
         config: ConfigInput = None,
-        data_parallel_replicate_size: int = 1,
+        data_parallel_replicate_size: Optional[int] = None,
         **options: Any,
     ) -> None:
-        self._intake(
-            config,
-            options,
-            data_parallel_size,
-            data_parallel_replicate_size,
-            tensor_parallel_size,
-            process_group_backend,
-        )
+        sizes = {
+            "data_parallel_size": data_parallel_size,
+            "tensor_parallel_size": tensor_parallel_size,
+            "data_parallel_replicate_size": data_parallel_replicate_size,
+        }
+        self._intake(config, {**given(sizes), **options}, process_group_backend)
+        parallelism = self._config.parallelism
         super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=parallelism.data_parallel_size,
+            tensor_parallel_size=parallelism.tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,

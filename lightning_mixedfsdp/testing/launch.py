@@ -33,7 +33,7 @@ PRELOAD = (
     "lightning.pytorch",
     "transformers",
     "lightning_mixedfsdp",
-    "lightning_mixedfsdp.recipes.runner",
+    "lightning_mixedfsdp.recipes.run.runner",
 )
 """What the fork server imports once (a module that is not installed is skipped)."""
 

@@ -220,7 +220,7 @@ def _checkpoint_round_trips(world: int, folder: Path) -> Dict[str, bool]:
 
 
 def _refusals(world: int, strategy: Any) -> Dict[str, str]:
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     def error(action: Any) -> str:
         try:

@@ -24,7 +24,7 @@ WORLD = 4
 def _hsdp_training(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     strategy = MixedFSDP2Strategy(data_parallel_replicate_size=2, keep_fp32_params=A_LOG)
     fabric = make_fabric(world_size, "bf16-true", strategy)
@@ -62,7 +62,7 @@ def _tensor_parallel_feed_forward(model: torch.nn.Module, device_mesh: Any) -> t
 
 def _tensor_parallel_training(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     strategy = MixedFSDP2Strategy(
         parallelize_fn=_tensor_parallel_feed_forward, tensor_parallel_size=2, keep_fp32_params=A_LOG

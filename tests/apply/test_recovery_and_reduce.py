@@ -33,7 +33,7 @@ def _train_through_a_failure(rank: int, mode: str) -> Dict[str, Any]:
     """``fail``: step 1's backward raises on every rank, the loop catches it and trains on. ``skip``: the same run
     without step 1's backward. Replicated params see different data on each rank."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(WORLD, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -69,7 +69,7 @@ def _host_syncs(rank: int) -> Dict[str, int]:
     """Count every host sync a forward+backward could make through our code: ``Tensor.item``/``tolist``/``__bool__``
     and list-to-device ``torch.tensor`` calls, in a step where every replicated param gets a grad."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(WORLD, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def _replicated_reduce_dtype(rank: int) -> Dict[str, Any]:
     """pytorch#156784's model under 32-true with reduce_dtype='fp32': its small bf16 Linear is replicated with a
     bf16/bf16/fp32 key, so its grads are all-reduced in fp32."""
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import Issue156784Model
+    from lightning_mixedfsdp.recipes.models.tiny_llama import Issue156784Model
 
     fabric = make_fabric(WORLD, "32-true", MixedFSDP2Strategy(reduce_dtype="fp32"))
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def _divide_factor(rank: int, factor: Any) -> Dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(WORLD, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ def _divide_factor(rank: int, factor: Any) -> Dict[str, Any]:
 
 
 def _second_setup(rank: int) -> str:
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     fabric = make_fabric(WORLD, "bf16-true")
     model = TinyLlama(MIXER)
@@ -181,7 +181,7 @@ def _second_setup(rank: int) -> str:
 def _removable_hooks(rank: int) -> Dict[str, Any]:
     from torch.distributed.fsdp import FSDPModule
 
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     def hooks_on(model: torch.nn.Module) -> int:
         return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())

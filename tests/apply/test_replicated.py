@@ -30,7 +30,7 @@ MOE_KEEP_FP32 = [r"experts\.", "e_score_correction_bias"]
 
 def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def _mixer_training(rank: int, world_size: int, checkpoint_dir: str) -> Dict[str
 def _accumulation_and_clipping(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def _accumulation_and_clipping(rank: int, world_size: int) -> Dict[str, Any]:
 
 def _unused_expert(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyMoE
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyMoE
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=MOE_KEEP_FP32))
     torch.manual_seed(0)
@@ -218,7 +218,7 @@ def test_expert_without_tokens_on_one_rank_is_averaged_as_zero_there_and_nothing
     from lightning_mixedfsdp import plan_sharding
     from lightning_mixedfsdp.apply.applier import apply_dtypes
     from lightning_mixedfsdp.config import MixedFSDPConfig
-    from lightning_mixedfsdp.recipes.models import TinyMoE
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyMoE
 
     rank0, rank1 = (r["moe"] for r in results)
     assert "layers.0.experts.1.weight" in rank0["replicated"]

@@ -41,7 +41,7 @@ def _setup(world_size: int, distributed_checkpoint: bool, seed: int = 0) -> Any:
 def _step(fabric: Any, model: Any, optimizer: Any, step: int) -> float:
     import torch.distributed as dist
 
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     data_parallel = fabric.strategy.meshes.data_parallel
     # the same global batch of 2 ranks' worth, split over however many ranks this run has

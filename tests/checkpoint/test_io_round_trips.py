@@ -117,7 +117,7 @@ def test_an_export_loads_back_at_another_world_size_and_trains_on_with_equal_los
 def test_from_pretrained_of_an_export_gives_the_trained_models_logits(runs: Dict[str, Any], case: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lightning_mixedfsdp.recipes.hf_export import load_export
+    from lightning_mixedfsdp.recipes.run.hf_export import load_export
 
     folder = runs["folder"] / case
     trained = runs["trained"][case]

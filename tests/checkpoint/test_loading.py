@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.checkpoint.load import load_weights, read_state_dict
-from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
 CONFIG = TinyLlamaConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, hidden_dim=32, mixer_layers=(0,))
 PINNED = MixedFSDPConfig(keep_fp32_params=[r"A_log$"])

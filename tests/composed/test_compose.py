@@ -73,7 +73,7 @@ def _train_mixer(
     rank: int, variant: str, model: Optional[nn.Module] = None, export_to: Optional[Path] = None
 ) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fields = {"keep_fp32_params": A_LOG, **FABRIC_VARIANTS.get(variant, {})}
     parallelize = {"parallelize_fn": _wrap_blocks} if variant == "ac_user_wrapper" else {}
@@ -105,7 +105,7 @@ def _train_mixer(
 
 
 def _checkpointed_mixer_model() -> nn.Module:
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     torch.manual_seed(0)
     model = TinyLlama(MIXER)
@@ -117,7 +117,7 @@ def _checkpointed_mixer_model() -> nn.Module:
 def _top_level_compile(rank: int, folder: Path) -> Dict[str, Any]:
     """``fabric.setup(torch.compile(model))``: Fabric sets up the model inside and compiles it again; the plan and
     the export speak of the user's names."""
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     torch.manual_seed(0)
     compiled = torch.compile(TinyLlama(MIXER))
@@ -142,7 +142,7 @@ def _two_forwards_one_backward(rank: int) -> Dict[str, Any]:
     """DPO-style: two forwards (chosen, rejected), one backward of their combined loss."""
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(WORLD, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     torch.manual_seed(0)
@@ -261,7 +261,7 @@ def test_hf_gradient_checkpointing_is_bit_equal_with_a_replicated_a_log(results:
 
 
 def test_two_forwards_before_one_backward_reduce_replicated_grads_once_and_equal_the_reference(results: list) -> None:
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     for result in results:
         assert result["two_forwards"]["all_reduce"] == 1

@@ -364,8 +364,8 @@ def test_float8_on_a_cpu_is_refused_when_the_trainer_is_constructed() -> None:
 
 
 def test_float8_on_a_cpu_recipe_is_refused_before_launch() -> None:
-    from lightning_mixedfsdp.recipes.loader import load_recipe
-    from lightning_mixedfsdp.recipes.schema import RecipeError
+    from lightning_mixedfsdp.recipes.run.loader import load_recipe
+    from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 
     with pytest.raises(
         RecipeError,

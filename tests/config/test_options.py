@@ -13,8 +13,8 @@ from torch import nn
 from lightning_mixedfsdp import MixedFSDPConfig, MixedFSDPConfigError
 from lightning_mixedfsdp.config import Float8, flat_names, groups
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from lightning_mixedfsdp.recipes.loader import load_recipe
-from lightning_mixedfsdp.recipes.schema import RecipeError, StrategySection
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.settings.schema import RecipeError, StrategySection
 
 ProbeChoice = Literal["low", "high"]
 
@@ -58,7 +58,7 @@ def _seen_by_planner_and_applier(config: MixedFSDPConfig, monkeypatch: pytest.Mo
     import lightning_mixedfsdp.pipeline as pipeline
     import lightning_mixedfsdp.planning.planner as planner
     from lightning_mixedfsdp.mesh import build_parallel_meshes
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     seen: List[Any] = []
     plan_model, apply_plan = planner.plan_model, pipeline.apply_plan
@@ -197,7 +197,7 @@ def test_a_plan_needs_no_config_field_by_field() -> None:
     """The planner takes the groups whole: a plan from the config equals one from its groups."""
     from lightning_mixedfsdp.planning.options import PlanOptions
     from lightning_mixedfsdp.planning.planner import plan_model, plan_sharding
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     config = MixedFSDPConfig(keep_fp32_params=[r"A_log$"], replicate_below_bytes=0)
     model = TinyLlama(TinyLlamaConfig(dim=16, n_layers=2, hidden_dim=32, mixer_layers=[1]))

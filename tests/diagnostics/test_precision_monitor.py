@@ -302,8 +302,8 @@ def test_bad_monitor_settings_are_refused_all_at_once_with_the_fix() -> None:
 
 
 def test_a_recipes_monitor_settings_out_of_range_are_refused() -> None:
-    from lightning_mixedfsdp.recipes.loader import load_recipe
-    from lightning_mixedfsdp.recipes.schema import RecipeError
+    from lightning_mixedfsdp.recipes.run.loader import load_recipe
+    from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 
     with pytest.raises(RecipeError, match=r"monitor.every_n_steps=-1 \(>= 0; 0 is off\).*fix the one out of range"):
         load_recipe(None, ["monitor.every_n_steps=-1"], launching=False)

@@ -46,8 +46,8 @@ def test_missing_number_of_groups() -> None:
 def test_bad_min_replicas_and_timeouts_all_at_once() -> None:
     message = problems_of(min_replicas=0, timeout_s=0, connect_timeout_s="soon")
     assert "fault_tolerance.min_replicas=0 must be an int >= 1." in message
-    assert "fault_tolerance.timeout_s=0 must be a number of seconds > 0." in message
-    assert "fault_tolerance.connect_timeout_s='soon' must be a number of seconds > 0." in message
+    assert "fault_tolerance.timeout_s=0 must be a number > 0; give seconds, e.g. " in message
+    assert "fault_tolerance.connect_timeout_s='soon' must be a number > 0; give seconds, e.g. " in message
     assert "3 problem(s)" in message
 
 

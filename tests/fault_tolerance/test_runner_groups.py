@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipes.plot import read_metrics
+from lightning_mixedfsdp.recipes.run.plot import read_metrics
 from lightning_mixedfsdp.testing.replica_groups import start_lighthouse
 from tests.recipes.test_runner import RECIPE, ROOT
 

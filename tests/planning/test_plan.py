@@ -6,7 +6,7 @@ from torch import nn
 
 from lightning_mixedfsdp import MixedFSDPConfig, find_keep_fp32_params, plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
-from lightning_mixedfsdp.recipes.models import RMSNorm, TinyLlama, TinyLlamaConfig
+from lightning_mixedfsdp.recipes.models.tiny_llama import RMSNorm, TinyLlama, TinyLlamaConfig
 
 SMALL = TinyLlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=32)
 

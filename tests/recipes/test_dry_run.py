@@ -24,7 +24,7 @@ TWINS = ("llama", "qwen3_next", "gpt_oss")
 
 @pytest.mark.parametrize("shape", PUBLIC)
 def test_public_shapes_plan_on_meta_with_fp32_norms_and_a_memory_verdict(shape: str, capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = ROOT / "benchmarks" / "configs" / f"{shape}.json"
     out = main(["--hf-config", str(config), "--world-size", "64", "--gpu-memory", "80"])
@@ -40,7 +40,7 @@ def test_public_shapes_plan_on_meta_with_fp32_norms_and_a_memory_verdict(shape: 
 
 
 def test_expert_parallel_dry_run_shows_the_expert_mesh_bytes_and_all_to_alls(capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = ROOT / "benchmarks" / "configs" / "gpt_oss_120b.json"
     out = main(["--hf-config", str(config), "--world-size", "64", "--expert-parallel", "8"])
@@ -57,7 +57,7 @@ def test_expert_parallel_dry_run_shows_the_expert_mesh_bytes_and_all_to_alls(cap
 
 
 def test_a_model_that_does_not_fit_says_by_how_much(capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = ROOT / "benchmarks" / "configs" / "llama3_70b.json"
     main(["--hf-config", str(config), "--world-size", "8", "--precision", "bf16-mixed", "--gpu-memory", "80"])
@@ -66,7 +66,7 @@ def test_a_model_that_does_not_fit_says_by_how_much(capsys: Any) -> None:
 
 def test_llama3_70b_qlora_on_8_gpus_of_24_gib_fits_with_a_4_bit_base_and_more_room_with_offload(capsys: Any) -> None:
     pytest.importorskip("peft")
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = ROOT / "benchmarks" / "configs" / "llama3_70b.json"
     base = ["--hf-config", str(config), "--world-size", "8", "--gpu-memory", "24", "--lora-rank", "16"]
@@ -89,7 +89,7 @@ def test_llama3_70b_qlora_on_8_gpus_of_24_gib_fits_with_a_4_bit_base_and_more_ro
 
 
 def test_a_config_without_model_type_is_refused_with_the_fix(tmp_path: Path) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = tmp_path / "config.json"
     config.write_text('{"hidden_size": 8}')
@@ -146,7 +146,7 @@ def test_the_prediction_equals_what_a_two_rank_twin_allocates_on_its_busiest_ran
 
 
 def test_a_tiny_plan_prints_sizes_in_units_that_fit(capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     out = main(["--recipe", str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml"), "--world-size", "2"])
     printed = capsys.readouterr().out
@@ -158,7 +158,7 @@ def test_a_tiny_plan_prints_sizes_in_units_that_fit(capsys: Any) -> None:
 
 
 def test_context_parallelism_in_the_dry_run_splits_the_activations_and_lengthens_what_fits(capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
     base = ["--hf-config", config, "--world-size", "8", "--gpu-memory", "80", "--seq-len", "131072"]
@@ -177,7 +177,7 @@ def test_context_parallelism_in_the_dry_run_splits_the_activations_and_lengthens
 
 def test_a_context_parallel_size_that_does_not_divide_the_ranks_is_refused_before_planning() -> None:
     """The strategy's own size check (``ParallelDims``), in the flags' names."""
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
     with pytest.raises(SystemExit) as error:
@@ -187,7 +187,7 @@ def test_a_context_parallel_size_that_does_not_divide_the_ranks_is_refused_befor
 
 def test_a_model_context_parallelism_refuses_is_refused_before_planning(capsys: Any) -> None:
     """The pipeline's refusal at setup (a sequence mixer that is not attention), asked of the meta model."""
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     recipe = str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml")
     with pytest.raises(SystemExit) as error:
@@ -204,7 +204,7 @@ def test_every_example_in_the_help_names_files_that_exist_from_the_project_root(
 ) -> None:
     import shlex
 
-    from lightning_mixedfsdp.recipes.dry_run import _parse, _settings
+    from lightning_mixedfsdp.recipes.run.dry_run import _parse, _settings
 
     with pytest.raises(SystemExit):
         _parse(["--help"])
@@ -220,7 +220,7 @@ def test_every_example_in_the_help_names_files_that_exist_from_the_project_root(
 
 
 def test_lora_rank_without_peft_is_one_line_with_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_mixedfsdp.recipes.dry_run import main
+    from lightning_mixedfsdp.recipes.run.dry_run import main
 
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")

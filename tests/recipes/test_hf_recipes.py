@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipes.loader import load_recipe
-from lightning_mixedfsdp.recipes.schema import RecipeError
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.hf_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +140,7 @@ def test_shipped_hf_recipe_trains_and_exports_what_it_trained(recipe: str, tmp_p
     assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "float32"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     if recipe == "hf_qwen3_next_tiny":
-        from lightning_mixedfsdp.recipes.hf_export import load_export
+        from lightning_mixedfsdp.recipes.run.hf_export import load_export
 
         assert exported["model.layers.0.linear_attn.A_log"].dtype == torch.float32
         trained = dcp_state(tmp_path / "checkpoints" / "last.ckpt", tmp_path)
@@ -169,7 +169,7 @@ def test_shipped_hf_recipe_trains_and_exports_what_it_trained(recipe: str, tmp_p
 
 
 def test_dry_run_prints_the_plan_and_the_memory_per_rank_and_trains_nothing(capsys: Any, tmp_path: Path) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     main(["--config", "conf/hf_qwen3_next_tiny.yaml", "--dry-run", f"output.dir={tmp_path}"])
     out = capsys.readouterr().out

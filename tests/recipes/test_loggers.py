@@ -10,9 +10,9 @@ import pytest
 from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from lightning_mixedfsdp.recipes.console import progress_bar
-from lightning_mixedfsdp.recipes.run_folder import RunFolder
-from lightning_mixedfsdp.recipes.runner import build_loggers
+from lightning_mixedfsdp.recipes.run.console import progress_bar
+from lightning_mixedfsdp.recipes.run.run_folder import RunFolder
+from lightning_mixedfsdp.recipes.run.runner import build_loggers
 
 
 class LoggingModel(BoringModel):

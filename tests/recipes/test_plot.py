@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install 'lightning-mixedfsdp[recipes]')")
 
-from lightning_mixedfsdp.recipes.plot import Series, metrics_figure  # noqa: E402
+from lightning_mixedfsdp.recipes.run.plot import Series, metrics_figure  # noqa: E402
 
 
 def metrics(steps: int, untrained: float, middle: float, last: float) -> Dict[str, Series]:

@@ -9,9 +9,9 @@ from typing import List
 import pytest
 import torch
 
-from lightning_mixedfsdp.recipes.inputs import data_files
-from lightning_mixedfsdp.recipes.loader import load_recipe
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.settings.inputs import data_files
+from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "conf").glob("*.yaml"))
@@ -216,9 +216,10 @@ WORLD = "(trainer.devices=2 x trainer.num_nodes=1 = 2)"
     [
         (
             ["strategy.data_parallel_size=4"],
-            "the sizes `strategy.data_parallel_replicate_size=1`, `strategy.data_parallel_size=4` and"
-            f" `tensor_parallel_size=1` multiplied should equal the world size {WORLD}; change the sizes or the number"
-            " of trainer.devices/trainer.num_nodes",
+            "the sizes `strategy.parallelism.data_parallel_replicate_size=1`,"
+            " `strategy.parallelism.data_parallel_size=4` and `strategy.parallelism.tensor_parallel_size=1` multiplied"
+            f" should equal the world size {WORLD}; change the sizes or the number of"
+            " trainer.devices/trainer.num_nodes",
         ),
         (
             ["strategy.parallelism.context_parallel_size=3", "data.seq_len=96", "model.mixer_layers=[]"],
@@ -234,7 +235,10 @@ WORLD = "(trainer.devices=2 x trainer.num_nodes=1 = 2)"
             "strategy.parallelism.context_parallel_size=2 with strategy.parallelism.expert_parallel_size=2 is not"
             " supported",
         ),
-        (["strategy.data_parallel_replicate_size=0"], "strategy.data_parallel_replicate_size=0 must be an int >= 1"),
+        (
+            ["strategy.data_parallel_replicate_size=0"],  # the flat key reaches the group, whose check names it
+            "strategy.parallelism.data_parallel_replicate_size=0 must be an int >= 1; use 1 for plain FSDP",
+        ),
     ],
     ids=["sizes_multiply_to_the_world", "cp_divides_the_world", "cp_with_ep", "replicate_positive"],
 )

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lightning_mixedfsdp.recipes.plot import read_metrics
+from lightning_mixedfsdp.recipes.run.plot import read_metrics
 
 pytestmark = pytest.mark.timeout(1800)
 """A hang bound, not a speed bound: the first test that asks for ``runs`` waits for its six launches (each bounded
@@ -141,7 +141,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
 
 
 def checkpoint_step(path: Path) -> int:
-    from lightning_mixedfsdp.recipes.run_folder import checkpoint_step
+    from lightning_mixedfsdp.recipes.run.run_folder import checkpoint_step
 
     return checkpoint_step(path)
 
@@ -204,7 +204,7 @@ def test_the_resumed_run_repeats_the_uninterrupted_losses_exactly(runs: Dict[str
 
 
 def test_extending_a_finished_run_trains_on_the_schedule_replanned_to_the_new_end(runs: Dict[str, Any]) -> None:
-    from lightning_mixedfsdp.recipes.lm import warmup_cosine
+    from lightning_mixedfsdp.recipes.objectives.objective import warmup_cosine
 
     whole = runs["whole"]
     metrics = read_metrics(whole / "logs")
@@ -220,7 +220,7 @@ def test_extending_a_finished_run_trains_on_the_schedule_replanned_to_the_new_en
 
 
 def test_resuming_a_finished_run_says_so_and_exits_nonzero(runs: Dict[str, Any], capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*TINY, f"output.dir={runs['stopped']}", "--resume", "last"])
@@ -251,8 +251,8 @@ def test_the_export_loads_with_from_pretrained_and_equals_the_trained_model(runs
     from transformers import AutoModelForCausalLM
 
     from lightning_mixedfsdp import load_weights
-    from lightning_mixedfsdp.recipes.loader import load_recipe
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
+    from lightning_mixedfsdp.recipes.run.loader import load_recipe
 
     export, trained = runs["export"], runs["trained"]
     saved = load_file(str(export / "model.safetensors"))
@@ -296,7 +296,7 @@ def test_export_files_are_written_with_the_umask_like_any_file(runs: Dict[str, A
     mask = os.umask(0o022)
     os.umask(mask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in runs["export"].iterdir()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "hf_tinyllama.py", "models.py"} <= set(modes)
+    assert {"model.safetensors", "config.json", "tokenizer.json", "hf_tinyllama.py", "tiny_llama.py"} <= set(modes)
     assert set(modes.values()) == {0o666 & ~mask}, modes
 
 
@@ -311,7 +311,7 @@ def _fake_checkpoint(path: Path, step: int, saved_s: Optional[int] = None) -> Pa
 
 
 def test_resume_without_a_checkpoint_is_one_line_naming_the_folder_and_the_fix(tmp_path: Path, capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*TINY, f"output.dir={tmp_path / 'run'}", "--resume", "last"])
@@ -325,7 +325,7 @@ def test_resume_without_a_checkpoint_is_one_line_naming_the_folder_and_the_fix(t
 
 
 def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_with_the_fix(tmp_path: Path, capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     _fake_checkpoint(tmp_path / "checkpoints" / "step=8.ckpt", 8)
     with pytest.raises(SystemExit):
@@ -335,7 +335,7 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_with_the_fix(tmp_
 
 
 def test_the_newest_checkpoint_is_the_last_saved_and_slurm_requeues_resume_by_themselves(tmp_path: Path) -> None:
-    from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
+    from lightning_mixedfsdp.recipes.run.run_folder import RunFolder, RunFolderError, resume_from
 
     folder = RunFolder(tmp_path)
     _fake_checkpoint(folder.numbered(30), 30, saved_s=1_000)
@@ -349,7 +349,7 @@ def test_the_newest_checkpoint_is_the_last_saved_and_slurm_requeues_resume_by_th
 
 
 def test_resume_takes_overrides_before_or_after_it(tmp_path: Path, capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     _fake_checkpoint(tmp_path / "checkpoints" / "last.ckpt", STEPS)
     for argv in (
@@ -387,7 +387,7 @@ def test_what_the_strategy_and_the_pipeline_would_refuse_is_refused_before_any_p
 
 
 def test_the_dry_run_refuses_what_a_launch_would(tmp_path: Path, capsys: Any) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     with pytest.raises(SystemExit) as exit_:
         main([*TINY, f"output.dir={tmp_path}", "strategy.parallelism.context_parallel_size=2", "--dry-run"])
@@ -403,7 +403,7 @@ import sys
 import threading
 from datetime import timedelta
 import torch.distributed as dist
-from lightning_mixedfsdp.recipes.stopping import StopRequest
+from lightning_mixedfsdp.recipes.run.stopping import StopRequest
 window, port = float(sys.argv[1]), int(sys.argv[2])
 stop = StopRequest(repeat_window_s=window)
 stop.install()
@@ -507,7 +507,7 @@ def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tm
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer\n"
+        "from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer\n"
         "for name in [n for n in sys.modules if n.split('.')[0] in ('transformers', 'tokenizers')]:\n"
         "    del sys.modules[name]\n"
         "sys.modules['transformers'] = sys.modules['tokenizers'] = None\n"
@@ -526,7 +526,7 @@ def test_the_byte_tokenizer_is_written_without_transformers_and_loads_with_it(tm
 def test_the_runner_without_the_recipes_extra_says_the_install_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
 ) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(SystemExit) as exit_info:
@@ -541,7 +541,7 @@ def test_the_runner_without_the_recipes_extra_says_the_install_line(
 def test_a_dry_run_with_lora_without_peft_says_the_install_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from lightning_mixedfsdp.recipes.runner import main
+    from lightning_mixedfsdp.recipes.run.runner import main
 
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
     config = ROOT / "benchmarks" / "configs" / "llama3_8b.json"
@@ -559,19 +559,18 @@ def test_the_last_line_says_before_for_pretrained_weights_and_untrained_from_scr
     import math
     import re
 
-    from lightning_mixedfsdp.recipes.runner import Outcome, summary
+    from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
+    from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
 
     readme = (ROOT / "README.md").read_text()
     number = r"([0-9.]+)"
     first, last, steps = re.search(rf"trained tokens: {number} before -> {number} after (\d+) steps", readme).groups()
-    sft = summary(Outcome(math.exp(float(first)), math.exp(float(last)), int(steps)), fine_tuned=True, pretrained=True)
+    sft = ChatLM.summary(math.exp(float(first)), math.exp(float(last)), int(steps), pretrained=True)
     assert sft.startswith(f"held-out loss on the trained tokens: {first} before -> {last} after {steps} steps")
     start, end, steps = re.search(
         rf"held-out perplexity: {number} untrained -> {number} after (\d+) steps", readme
     ).groups()
-    scratch = summary(Outcome(float(start), float(end), int(steps)), fine_tuned=False, pretrained=False)
+    scratch = CausalLM.summary(float(start), float(end), int(steps), pretrained=False)
     assert scratch == f"held-out perplexity: {start} untrained -> {end} after {steps} steps"
-    assert summary(Outcome(21.69, 3.91, 300), fine_tuned=False, pretrained=True).startswith(
-        "held-out perplexity: 21.69 before"
-    )
+    assert CausalLM.summary(21.69, 3.91, 300, pretrained=True).startswith("held-out perplexity: 21.69 before")
     assert sft in readme and scratch in readme  # the lines README quotes, as the runner prints them

@@ -15,7 +15,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from lightning_mixedfsdp.recipes.chat import (
+from lightning_mixedfsdp.recipes.data.chat import (
     BYTE_END_OF_TURN,
     IGNORE_INDEX,
     ChatTemplateError,
@@ -24,8 +24,8 @@ from lightning_mixedfsdp.recipes.chat import (
     hf_chat_format,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
-from lightning_mixedfsdp.recipes.sft_data import Rows, StepRows, packed_rows, padded_rows
+from lightning_mixedfsdp.recipes.data.sft import Rows, StepRows, packed_rows, padded_rows
+from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError
 from tests.recipes.sft_tokenizers import CHATML_GENERATION, QWEN3_THINKING, save_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,8 +122,8 @@ def test_a_pair_whose_tokens_merge_across_the_boundary_trains_as_inference_sees_
     """300 pairs, one of them a prompt ending in a space before its completion's first word (BPE merges the two
     when they are tokenized together): accepted before launch, and every pair is its prompt's tokens alone (as
     inference encodes it), then its completion's and EOS, exactly those two trained."""
-    from lightning_mixedfsdp.recipes.data import make_tokenizer
-    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, fine_tuning_examples
+    from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, fine_tuning_examples
+    from lightning_mixedfsdp.recipes.data.text import make_tokenizer
 
     tokenizer = _load(tokenizers["chatml"])
 
@@ -149,7 +149,7 @@ def test_a_pair_whose_tokens_merge_across_the_boundary_trains_as_inference_sees_
 
 
 def _rows_of(lengths: List[int]) -> List:  # type: ignore[type-arg]
-    from lightning_mixedfsdp.recipes.chat import Example
+    from lightning_mixedfsdp.recipes.data.chat import Example
 
     return [Example(list(range(1, n + 1)), [IGNORE_INDEX] + list(range(2, n + 1))) for n in lengths]
 
@@ -204,7 +204,7 @@ def test_a_conversation_packed_between_two_others_gives_the_logits_it_gives_alon
 
 
 def _recipe(tmp_path: Path, lines: List[object], *overrides: str) -> Recipe:
-    from lightning_mixedfsdp.recipes.loader import load_recipe
+    from lightning_mixedfsdp.recipes.run.loader import load_recipe
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
@@ -278,8 +278,8 @@ def test_every_bad_record_is_reported_at_once(tmp_path: Path) -> None:
 
 
 def test_the_generated_conversations_are_the_same_each_time_and_all_trainable() -> None:
-    from lightning_mixedfsdp.recipes.chat import conversation_problem
-    from lightning_mixedfsdp.recipes.stdlib_chat import stdlib_conversations
+    from lightning_mixedfsdp.recipes.data.chat import conversation_problem
+    from lightning_mixedfsdp.recipes.data.stdlib_chat import stdlib_conversations
 
     first, again = list(stdlib_conversations()), list(stdlib_conversations())
     assert first == again and len(first) > 200
@@ -292,8 +292,8 @@ def _write_export(directory: Path, vocab_size: int) -> Path:
     code), without a tokenizer."""
     from safetensors.torch import save_file
 
-    from lightning_mixedfsdp.recipes.hf_export import write_reference_config
-    from lightning_mixedfsdp.recipes.models import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
+    from lightning_mixedfsdp.recipes.run.hf_export import write_reference_config
 
     config = TinyLlamaConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=64, mixer_layers=[1])
     directory.mkdir(parents=True)
@@ -308,7 +308,7 @@ def _write_export(directory: Path, vocab_size: int) -> Path:
 def exports(tmp_path_factory: pytest.TempPathFactory, tokenizers: Dict[str, Path]) -> Dict[str, Path]:
     """The main job's export (byte tokenizer, no chat template); a reference model's export holding an HF tokenizer
     without a chat template; an HF tokenizer whose class is its own code (``auto_map``)."""
-    from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer
+    from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer
 
     root = tmp_path_factory.mktemp("exports")
     byte_level = _write_export(root / "bytes" / "export", 256)
@@ -331,8 +331,8 @@ def exports(tmp_path_factory: pytest.TempPathFactory, tokenizers: Dict[str, Path
 
 LAUNCHES = """
 import sys
-from lightning_mixedfsdp.recipes.data import make_tokenizer
-from lightning_mixedfsdp.recipes.runner import main
+from lightning_mixedfsdp.recipes.data.text import make_tokenizer
+from lightning_mixedfsdp.recipes.run.runner import main
 for export in sys.argv[1:3]:
     print("=== " + export, flush=True)
     try:
@@ -379,9 +379,9 @@ def test_the_projects_exports_load_as_tokenizers_without_a_question_and_every_pr
 
 
 def test_the_byte_level_export_as_tokenizer_trains_as_the_byte_tokenizer(exports: Dict[str, Path]) -> None:
-    from lightning_mixedfsdp.recipes.data import ByteTokenizer, make_tokenizer
-    from lightning_mixedfsdp.recipes.schema import DataSection
-    from lightning_mixedfsdp.recipes.sft_data import ExampleMaker
+    from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
+    from lightning_mixedfsdp.recipes.data.text import ByteTokenizer, make_tokenizer
+    from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
     made = []
     for spec in ("bytes", str(exports["bytes"])):

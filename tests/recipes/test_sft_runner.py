@@ -15,7 +15,7 @@ from typing import Any, Dict
 import pytest
 import torch
 
-from lightning_mixedfsdp.recipes.plot import read_metrics
+from lightning_mixedfsdp.recipes.run.plot import read_metrics
 from tests.recipes.sft_tokenizers import save_tokenizer
 from tests.recipes.test_hf_recipes import train
 
@@ -61,7 +61,7 @@ def test_fine_tuning_the_main_jobs_export_lowers_the_held_out_loss_and_answers(r
 def test_the_exports_tokenizer_renders_chats_as_training_did(runs: Dict[str, Any]) -> None:
     from transformers import AutoTokenizer
 
-    from lightning_mixedfsdp.recipes.chat import byte_chat_format
+    from lightning_mixedfsdp.recipes.data.chat import byte_chat_format
 
     tokenizer = AutoTokenizer.from_pretrained(runs["whole"] / "export")
     messages = [{"role": "user", "content": "What does `math.fabs` do?"}]

@@ -33,9 +33,9 @@ def _fit(folder: Path, hf: bool, batch: int, accumulate: int, context_parallel: 
     import lightning.pytorch as pl
 
     from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.chat_corpus import ChatCorpus
-    from lightning_mixedfsdp.recipes.chat_lm import ChatLM
-    from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection
+    from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
+    from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
+    from lightning_mixedfsdp.recipes.settings.schema import DataSection, ModelSection
     from tests.scenarios import full_grads
 
     class FirstGrads(pl.Callback):

@@ -29,7 +29,7 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, precision)
     torch.manual_seed(0)
@@ -68,7 +68,7 @@ def _train_llama(rank: int, world_size: int, precision: str) -> Dict[str, Any]:
 def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> Dict[str, int]:
     """Collectives of one forward+backward after a warm-up step (FSDP initialises lazily)."""
     from lightning_mixedfsdp.diagnostics.collectives import count_collectives
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     for step in range(2):
         tokens = rank_slice(global_batch(world_size, step), rank, world_size)
@@ -80,7 +80,7 @@ def _steady_step_counts(fabric: Any, model: Any, rank: int, world_size: int) -> 
 
 def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     out: Dict[str, Any] = {}
     variants = {"uniform_bf16": dict(keep_fp32_modules=[]), "grouped_sharded": dict(replicate_below_bytes=0)}
@@ -100,7 +100,7 @@ def _collective_comparison(rank: int, world_size: int) -> Dict[str, Any]:
 
 
 def _train_issue_156784(rank: int, world_size: int, strategy: Any) -> Dict[str, Any]:
-    from lightning_mixedfsdp.recipes.models import Issue156784Model
+    from lightning_mixedfsdp.recipes.models.tiny_llama import Issue156784Model
 
     fabric = make_fabric(world_size, "32-true", strategy)
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def _skip_a_nonfinite_batch(rank: int, world_size: int, skip_only: bool) -> Dict
     (``skip_only``: step 1 is never run, the reference)."""
     import torch.distributed as dist
 
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true")
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def _tower_run(world_size: int, pin: bool) -> Dict[str, Any]:
 
 def _meta_init(world_size: int) -> Dict[str, Any]:
     from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-    from lightning_mixedfsdp.recipes.models import TinyLlama, causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
 
     fabric = make_fabric(world_size, "bf16-true", MixedFSDP2Strategy(keep_fp32_params=A_LOG))
     with fabric.init_module(empty_init=True):
@@ -186,7 +186,7 @@ def test_meta_init_on_two_ranks_equals_a_single_process_init(results: list) -> N
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
     from lightning_mixedfsdp.apply.applier import apply_dtypes
     from lightning_mixedfsdp.materialize.meta import init_meta_module_
-    from lightning_mixedfsdp.recipes.models import TinyLlama
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
     # `init_module()` under bf16-true builds in bf16, as Lightning's own does; keep-fp32 params are initialised in
     # fp32 (the rule in docs/dtypes.md), the rest in the dtype they were built in

@@ -39,7 +39,7 @@ def _module(build_in_configure_model: bool = False, seed: int = 0, batches_by_st
     import lightning.pytorch as pl
     from torchmetrics import MeanMetric
 
-    from lightning_mixedfsdp.recipes.models import causal_lm_loss
+    from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 
     class LlamaModule(pl.LightningModule):
         def __init__(self) -> None:

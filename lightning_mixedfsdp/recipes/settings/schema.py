@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_mixedfsdp.config import MixedFSDPConfig, flat_names, group_classes, precision_problem
-from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig
 from lightning_mixedfsdp.strategies.intake import STRATEGY_NAME
 
 
@@ -54,14 +54,11 @@ class TrainerSection:
 
 @dataclass
 class StrategySection(MixedFSDPConfig):
-    """``MixedFSDPConfig`` plus the strategy's mesh and checkpoint options."""
+    """``MixedFSDPConfig`` plus the strategy's checkpoint format (every parallel degree is in ``parallelism``; the
+    flat keys ``strategy.data_parallel_size`` and ``strategy.data_parallel_replicate_size`` reach it)."""
 
     name: str = STRATEGY_NAME
     """The Lightning strategy; recipes train with ``mixed_fsdp2``."""
-    data_parallel_size: Optional[int] = None
-    """Ranks a param is sharded over; ``None`` = all ranks not used by replication."""
-    data_parallel_replicate_size: int = 1
-    """HSDP replicas (e.g. the number of nodes)."""
     save_distributed_checkpoint: bool = True
     """Checkpoints as torch DCP folders (each rank writes its shards); ``False``: one file gathered on rank 0."""
 
@@ -143,6 +140,14 @@ class PeftSection:
     target_modules: List[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
     """Module names that get adapters."""
 
+    def lora_arguments(self) -> Optional[Dict[str, Any]]:
+        """``peft.LoraConfig``'s arguments when adapters are enabled (None otherwise)."""
+        if not self.enabled:
+            return None
+        return dict(
+            r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=list(self.target_modules)
+        )
+
 
 @dataclass
 class OptimizerSection:
@@ -179,6 +184,9 @@ class MonitorSection:
 
 @dataclass
 class Recipe:
+    objective: Optional[str] = None
+    """What is trained: ``language_modeling`` (text) or ``sft`` (chat or instruction data); unset: the one a key of
+    the recipe asks for, else the one the data's format trains (``recipes/objectives/registry.py`` lists them)."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -194,8 +202,6 @@ class Recipe:
     def strategy_kwargs(self) -> Dict[str, Any]:
         return {
             "config": self.mixed_fsdp_config(),
-            "data_parallel_size": self.strategy.data_parallel_size or "auto",
-            "data_parallel_replicate_size": self.strategy.data_parallel_replicate_size,
             "save_distributed_checkpoint": self.strategy.save_distributed_checkpoint,
         }
 

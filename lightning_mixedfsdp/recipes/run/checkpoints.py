@@ -1,6 +1,6 @@
 """The runner's checkpoints: ``step=N.ckpt`` every ``trainer.checkpoint_every_n_steps`` optimizer steps (the newest
 ``trainer.keep_checkpoints`` kept), and ``last.ckpt`` when the fit ends, at ``max_steps`` or when a stop was asked
-for (:class:`~lightning_mixedfsdp.recipes.stopping.StopRequest`); plus one held-out evaluation at the final step.
+for (:class:`~lightning_mixedfsdp.recipes.run.stopping.StopRequest`); plus one held-out evaluation at the final step.
 
 Lightning's ``ModelCheckpoint`` is not used: it writes ``last.ckpt`` only along with another save (or at the end when
 nothing was saved before), and keeping "the newest k" needs a monitored metric. Saves go through the strategy
@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mixedfsdp.recipes.run_folder import RunFolder, saved_at
-from lightning_mixedfsdp.recipes.stopping import StopRequest
+from lightning_mixedfsdp.recipes.run.run_folder import RunFolder, saved_at
+from lightning_mixedfsdp.recipes.run.stopping import StopRequest
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
 

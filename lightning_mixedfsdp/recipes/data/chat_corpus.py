@@ -6,10 +6,7 @@ from typing import Optional
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_mixedfsdp.recipes.data import SizedDataset, TextCorpus
-from lightning_mixedfsdp.recipes.inputs import resolved_format
-from lightning_mixedfsdp.recipes.schema import DataSection
-from lightning_mixedfsdp.recipes.sft_data import (
+from lightning_mixedfsdp.recipes.data.sft import (
     ExampleMaker,
     Rows,
     RowSet,
@@ -18,6 +15,9 @@ from lightning_mixedfsdp.recipes.sft_data import (
     packed_rows,
     padded_rows,
 )
+from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus
+from lightning_mixedfsdp.recipes.settings.inputs import resolved_format
+from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
 
 class ChatCorpus(TextCorpus):

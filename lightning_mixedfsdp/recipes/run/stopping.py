@@ -1,5 +1,5 @@
 """Stopping a run on request: SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, ``kill``) ask the run to stop at
-the next optimizer-step boundary, where :class:`~lightning_mixedfsdp.recipes.checkpoints.RunCheckpoints` saves
+the next optimizer-step boundary, where :class:`~lightning_mixedfsdp.recipes.run.checkpoints.RunCheckpoints` saves
 ``last.ckpt`` and ends the fit; a second one, the repeat window (:data:`REPEAT_WINDOW_S`) or more after the first,
 ends the process at once.
 
@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from lightning.pytorch.strategies import Strategy
 
-from lightning_mixedfsdp.recipes.console import process_rank
+from lightning_mixedfsdp.recipes.run.console import process_rank
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_WINDOW_S = 2.0

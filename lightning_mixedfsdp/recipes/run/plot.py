@@ -10,10 +10,9 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-Series = Dict[int, float]
+from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL
 
-UNTRAINED_PPL = "untrained_ppl"
-"""The held-out perplexity before training, logged at step 0 (Lightning does not log its sanity check)."""
+Series = Dict[int, float]
 
 
 def read_metrics(logs: Path) -> Dict[str, Series]:

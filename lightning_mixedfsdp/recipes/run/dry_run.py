@@ -42,8 +42,8 @@ from lightning_mixedfsdp.planning.report import (
     format_plan,
 )
 from lightning_mixedfsdp.planning.types import ShardPlan
-from lightning_mixedfsdp.recipes.inputs import load_hf_config
-from lightning_mixedfsdp.recipes.loader import in_recipe_keys, load_recipe
+from lightning_mixedfsdp.recipes.run.loader import in_recipe_keys, load_recipe
+from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config
 
 
 def build_on_meta(config: Any) -> nn.Module:
@@ -175,7 +175,7 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.recipe:
         recipe = load_recipe(args.recipe, launching=False, parallel=False)  # sizes from the flags, checked below
         config = recipe.mixed_fsdp_config()
-        precision, replicate = recipe.trainer.precision, recipe.strategy.data_parallel_replicate_size
+        precision, replicate = recipe.trainer.precision, recipe.strategy.parallelism.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
         if recipe.peft.enabled and args.lora_rank is None:
             args.lora_rank, args.lora_targets = recipe.peft.r, args.lora_targets or list(recipe.peft.target_modules)

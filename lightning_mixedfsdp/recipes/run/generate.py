@@ -7,10 +7,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from lightning_mixedfsdp.recipes.chat import BYTE_END_OF_TURN
-from lightning_mixedfsdp.recipes.hf_export import load_export
-from lightning_mixedfsdp.recipes.schema import DataSection
-from lightning_mixedfsdp.recipes.sft_data import ExampleMaker, read_records
+from lightning_mixedfsdp.recipes.data.chat import BYTE_END_OF_TURN
+from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, read_records
+from lightning_mixedfsdp.recipes.run.hf_export import load_export
+from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
 
 def held_out_question(data: DataSection, fine_tuning_format: str) -> Optional[Tuple[Any, str]]:

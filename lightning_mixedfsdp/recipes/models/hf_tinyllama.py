@@ -1,7 +1,7 @@
-"""The reference model (``TinyLlama`` of ``models.py``) as a Hugging Face causal LM, so that the main job's export
+"""The reference model (``TinyLlama`` of ``tiny_llama.py``) as a Hugging Face causal LM, so that the main job's export
 loads with ``AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)``.
 
-The export holds this file and a copy of ``models.py`` (HF's custom-code convention: ``auto_map`` in
+The export holds this file and a copy of ``tiny_llama.py`` (HF's custom-code convention: ``auto_map`` in
 ``config.json``); it imports only torch and transformers, so the export loads wherever those are installed. The
 parameter names are the training model's. The tensors the export holds in fp32 (the config's ``keep_in_fp32``
 patterns: norms, ``A_log``) stay fp32 under a bf16 or fp16 load (``_keep_in_fp32_modules_strict``), and an fp32 norm
@@ -16,7 +16,7 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from typing_extensions import override
 
-from .models import Block, Mixer, RMSNorm, TinyLlamaConfig, causal_lm_loss
+from .tiny_llama import Block, Mixer, RMSNorm, TinyLlamaConfig, causal_lm_loss
 
 
 class TinyLlamaHFConfig(PretrainedConfig):

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from lightning_mixedfsdp.checkpoint.load import _safetensors_files
 from lightning_mixedfsdp.compat.extras import installed, missing_message
-from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
-from lightning_mixedfsdp.recipes.schema import DataSection, ModelSection, Recipe
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig
+from lightning_mixedfsdp.recipes.settings.schema import DataSection, ModelSection, Recipe
 
 JSONL_SUFFIX = ".jsonl"
 """A document per line, its text in ``data.text_field``; any other UTF-8 text file is one document."""

@@ -12,7 +12,6 @@ copies within 2 s are the same request, another one later aborts at once.
 """
 
 import argparse
-import math
 import os
 import re
 import shlex
@@ -27,7 +26,6 @@ import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.compat.extras import MissingPackage, installed
@@ -35,24 +33,26 @@ from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
 from lightning_mixedfsdp.planning.memory import estimate_memory
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
-from lightning_mixedfsdp.recipes.chat import BYTE_CHAT_TEMPLATE
-from lightning_mixedfsdp.recipes.chat_corpus import ChatCorpus
-from lightning_mixedfsdp.recipes.chat_lm import ChatLM
-from lightning_mixedfsdp.recipes.checkpoints import RunCheckpoints
-from lightning_mixedfsdp.recipes.console import keep_console, process_rank, progress_bar
-from lightning_mixedfsdp.recipes.data import HFTokenizer, TextCorpus
-from lightning_mixedfsdp.recipes.dry_run import format_summary
-from lightning_mixedfsdp.recipes.generate import generate_answer, held_out_question
-from lightning_mixedfsdp.recipes.hf_export import write_byte_tokenizer, write_reference_config
-from lightning_mixedfsdp.recipes.inputs import checkpoint_fp32_patterns, reference_model_config, resolved_format
-from lightning_mixedfsdp.recipes.lm import CausalLM, build_hf_model
-from lightning_mixedfsdp.recipes.loader import load_recipe
-from lightning_mixedfsdp.recipes.models import TinyLlama
-from lightning_mixedfsdp.recipes.plot import UNTRAINED_PPL, plot_metrics, read_metrics
-from lightning_mixedfsdp.recipes.run_folder import RunFolder, RunFolderError, resume_from
-from lightning_mixedfsdp.recipes.schema import Recipe, RecipeError
-from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, template_text
-from lightning_mixedfsdp.recipes.stopping import StopRequest
+from lightning_mixedfsdp.recipes.data.chat import BYTE_CHAT_TEMPLATE
+from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
+from lightning_mixedfsdp.recipes.data.sft import template_text
+from lightning_mixedfsdp.recipes.data.text import HFTokenizer, TextCorpus
+from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, build_model
+from lightning_mixedfsdp.recipes.objectives.registry import objective_class
+from lightning_mixedfsdp.recipes.run.checkpoints import RunCheckpoints
+from lightning_mixedfsdp.recipes.run.console import keep_console, process_rank, progress_bar
+from lightning_mixedfsdp.recipes.run.dry_run import format_summary
+from lightning_mixedfsdp.recipes.run.generate import generate_answer, held_out_question
+from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer, write_reference_config
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.run.plot import plot_metrics, read_metrics
+from lightning_mixedfsdp.recipes.run.run_folder import RunFolder, RunFolderError, resume_from
+from lightning_mixedfsdp.recipes.run.stopping import StopRequest
+from lightning_mixedfsdp.recipes.settings.inputs import (
+    checkpoint_fp32_patterns,
+    reference_model_config,
+)
+from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError
 from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
@@ -136,35 +136,6 @@ def build_loggers(choice: str, folder: RunFolder) -> List[Logger]:
     return loggers
 
 
-def fine_tuning(recipe: Recipe) -> bool:
-    """Whether the recipe fine-tunes on chat or instruction data (else it trains on text)."""
-    return resolved_format(recipe.data) in FINE_TUNING
-
-
-def build_data(recipe: Recipe) -> TextCorpus:
-    """The text windows, or the fine-tuning rows (packed unless context parallelism splits the rows)."""
-    micro_batches = recipe.trainer.max_steps * recipe.trainer.accumulate_grad_batches
-    if not fine_tuning(recipe):
-        return TextCorpus(recipe.data, recipe.trainer.seed, micro_batches)
-    packed = recipe.data.packing and recipe.strategy.parallelism.context_parallel_size == 1
-    accumulate = recipe.trainer.accumulate_grad_batches
-    return ChatCorpus(recipe.data, recipe.trainer.seed, micro_batches, accumulate, packed)
-
-
-def build_module(recipe: Recipe) -> CausalLM:
-    optim = recipe.optimizer
-    module_class = ChatLM if fine_tuning(recipe) else CausalLM
-    return module_class(
-        recipe.model,
-        optim.lr,
-        optim.weight_decay,
-        list(optim.betas),
-        optim.warmup_steps,
-        recipe.trainer.max_steps,
-        peft=recipe.peft,
-    )
-
-
 def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") -> Outcome:
     """Train as the recipe says, from ``checkpoint`` if given; export, plot and summarise unless a stop request
     ended the run first (then say how to continue: ``command`` with ``--resume last``)."""
@@ -173,15 +144,16 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     stop = StopRequest()
     checkpoints = RunCheckpoints(folder, recipe.trainer.checkpoint_every_n_steps, recipe.trainer.keep_checkpoints, stop)
     trainer = build_trainer(recipe, checkpoints)
-    datamodule = build_data(recipe)
-    module = build_module(recipe)
+    objective = objective_class(recipe)
+    datamodule = objective.data(recipe)
+    module = objective.from_recipe(recipe)
     if checkpoint is not None:
         rank_zero_info(f"resuming from {checkpoint}")
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint is not None else None)
     steps = trainer.global_step
     if checkpoints.stopped_at is None:
         export(trainer, module, datamodule, recipe)
-    outcome = Outcome(module.untrained_perplexity, module.perplexities.get(f"step {steps}"), steps)
+    outcome = Outcome(module.evaluation(None), module.evaluation(steps), steps)
     if trainer.is_global_zero:
         metrics = read_metrics(folder.logs)
         if outcome.untrained is None:  # a resumed launch: the first launch logged it
@@ -195,29 +167,12 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
         )
         return outcome
     rank_zero_info(
-        f"{summary(outcome, isinstance(module, ChatLM), recipe.model.pretrained is not None)}\n"
+        f"{module.summary(outcome.untrained, outcome.trained, steps, recipe.model.pretrained is not None)}\n"
         f"checkpoint: {folder.last}\nexport: {folder.export}\nplot: {folder.plot}\nconsole log: {folder.console}"
     )
     if isinstance(datamodule, ChatCorpus) and trainer.is_global_zero:
         show_an_answer(recipe, datamodule)
     return outcome
-
-
-def summary(outcome: Outcome, fine_tuned: bool, pretrained: bool) -> str:
-    """The run's last line: held-out perplexity before and after (fine-tuning: the loss on the trained tokens, and
-    its perplexity). The start is "untrained" for a model trained from scratch, "before" for pretrained weights."""
-    start = "before" if pretrained else "untrained"
-    if fine_tuned:
-        if outcome.untrained is None or outcome.trained is None:
-            return f"held-out loss on the trained tokens: not evaluated at both ends of the {outcome.steps} steps"
-        return (
-            f"held-out loss on the trained tokens: {math.log(outcome.untrained):.4f} {start} ->"
-            f" {math.log(outcome.trained):.4f} after {outcome.steps} steps (perplexity {outcome.untrained:.2f} ->"
-            f" {outcome.trained:.2f})"
-        )
-    first = f"{outcome.untrained:.2f} {start}" if outcome.untrained is not None else f"not evaluated {start}"
-    finish = f"{outcome.trained:.2f}" if outcome.trained is not None else "not evaluated"
-    return f"held-out perplexity: {first} -> {finish} after {outcome.steps} steps"
 
 
 def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
@@ -232,7 +187,7 @@ def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
     rank_zero_info(f"held-out question: {question}\nexport's answer:   {answer}\nthe data's answer: {expected}")
 
 
-def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe: Recipe) -> None:
+def export(trainer: pl.Trainer, module: Objective, datamodule: TextCorpus, recipe: Recipe) -> None:
     """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer,
     committed together; ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
     folder = run_folder(recipe)
@@ -259,14 +214,9 @@ def export(trainer: pl.Trainer, module: CausalLM, datamodule: TextCorpus, recipe
 
 def dry_run(recipe: Recipe) -> None:
     """Print the dtype plan and per-rank memory for the recipe's model at its world size; train nothing."""
-    model: nn.Module
-    reference = reference_model_config(recipe.model)
-    if reference is not None:
-        with torch.device("meta"):
-            model = TinyLlama(reference)
-    else:
-        model = build_hf_model(recipe.model, recipe.peft)
-    world, replicate = recipe.world_size, recipe.strategy.data_parallel_replicate_size
+    with torch.device("meta"):  # the reference model too: nothing is allocated
+        model = build_model(recipe.model, recipe.peft)
+    world, replicate = recipe.world_size, recipe.strategy.parallelism.data_parallel_replicate_size
     plan = plan_sharding(model, strategy_config(recipe), recipe.trainer.precision)
     estimate = estimate_memory(plan, shard_ranks=world // replicate, data_parallel_ranks=world)
     print(format_plan(plan))

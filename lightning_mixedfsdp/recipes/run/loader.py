@@ -9,10 +9,14 @@ from typing import List, Mapping, Optional, Sequence
 from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
 from lightning_mixedfsdp.fault_tolerance.session import missing_lighthouse
 from lightning_mixedfsdp.mesh import ParallelDims
-from lightning_mixedfsdp.recipes.data import data_problems
-from lightning_mixedfsdp.recipes.inputs import input_problems, package_problems, reference_model_config, resolved_format
-from lightning_mixedfsdp.recipes.lm import build_hf_model
-from lightning_mixedfsdp.recipes.schema import (
+from lightning_mixedfsdp.recipes.objectives.objective import build_model
+from lightning_mixedfsdp.recipes.objectives.registry import objective_class, objective_problems
+from lightning_mixedfsdp.recipes.settings.inputs import (
+    input_problems,
+    package_problems,
+    reference_model_config,
+)
+from lightning_mixedfsdp.recipes.settings.schema import (
     PeftSection,
     Recipe,
     RecipeError,
@@ -20,7 +24,6 @@ from lightning_mixedfsdp.recipes.schema import (
     merge_recipe,
     recipe_spelling,
 )
-from lightning_mixedfsdp.recipes.sft_data import FINE_TUNING, fine_tuning_problems
 from lightning_mixedfsdp.strategies.settings import setting_problems
 
 
@@ -41,6 +44,8 @@ def load_recipe(
     if fields_valid:
         inputs = input_problems(recipe)
         problems += inputs
+        if not any(p.startswith("data.") for p in inputs):  # the data's format reads
+            problems += objective_problems(recipe)
         if parallel and not any(p.startswith("model.") for p in inputs):  # the model's config reads
             problems += model_context_parallel_problems(recipe)
         if launching:
@@ -58,8 +63,9 @@ def load_recipe(
 
 
 RECIPE_KEYS = {
-    "data_parallel_replicate_size": "strategy.data_parallel_replicate_size",
-    "data_parallel_size": "strategy.data_parallel_size",
+    "data_parallel_replicate_size": "strategy.parallelism.data_parallel_replicate_size",
+    "data_parallel_size": "strategy.parallelism.data_parallel_size",
+    "tensor_parallel_size": "strategy.parallelism.tensor_parallel_size",
     "context_parallel_size": "strategy.parallelism.context_parallel_size",
     "expert_parallel_size": "strategy.parallelism.expert_parallel_size",
 }
@@ -76,18 +82,18 @@ def in_recipe_keys(problem: str, keys: Mapping[str, str] = RECIPE_KEYS) -> str:
 def mesh_problems(recipe: Recipe) -> List[str]:
     """The mesh sizes against ``trainer.devices x trainer.num_nodes`` ranks, as the strategy resolves and validates
     them at setup (``ParallelDims``), in recipe keys. Sizes out of range are named by the schema's own checks."""
-    trainer, strategy = recipe.trainer, recipe.strategy
-    context, experts = strategy.parallelism.context_parallel_size, strategy.parallelism.expert_parallel_size
-    if min(trainer.devices, trainer.num_nodes, context, experts) < 1:
+    trainer, parallelism = recipe.trainer, recipe.strategy.parallelism
+    if min(trainer.devices, trainer.num_nodes) < 1 or parallelism.problems("parallelism"):
         return []
     world = recipe.world_size
     problems = ParallelDims.resolve_problems(
         world_size=world,
         devices_per_node=trainer.devices,
-        data_parallel_size=strategy.data_parallel_size or "auto",
-        replicate=strategy.data_parallel_replicate_size,
-        expert_parallel=experts,
-        context_parallel=context,
+        data_parallel_size=parallelism.data_parallel_size,
+        replicate=parallelism.data_parallel_replicate_size,
+        tensor_parallel_size=parallelism.tensor_parallel_size,
+        expert_parallel=parallelism.expert_parallel_size,
+        context_parallel=parallelism.context_parallel_size,
     )
     ranks = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world}"
     return [
@@ -130,7 +136,7 @@ def model_context_parallel_problems(recipe: Recipe) -> List[str]:
             f"{context} splits every sequence across ranks; set strategy.parallelism.context_parallel_size=1, or"
             " fine-tune an export trained with model.mixer_layers=[]"
         ]
-    built = build_hf_model(model, PeftSection())  # on the meta device; adapters change no sequence mixer
+    built = build_model(model, PeftSection())  # on the meta device; adapters change no sequence mixer
     return [f"{key}: {in_recipe_keys(problem)}" for problem in context_parallel_problems(built, context)]
 
 
@@ -140,10 +146,7 @@ def training_data_problems(recipe: Recipe) -> List[str]:
     context-parallel size (those ranks share their rows)."""
     context = recipe.strategy.parallelism.context_parallel_size
     ranks = recipe.world_size // context if isinstance(context, int) and context >= 1 else recipe.world_size
-    if resolved_format(recipe.data) in FINE_TUNING:
-        packed = recipe.data.packing and context == 1
-        return fine_tuning_problems(recipe.data, ranks, packed)
-    return data_problems(recipe.data, ranks)
+    return objective_class(recipe).data_problems(recipe, ranks)
 
 
 def strategy_problems(recipe: Recipe) -> List[str]:

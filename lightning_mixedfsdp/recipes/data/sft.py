@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from lightning_mixedfsdp.recipes.chat import (
+from lightning_mixedfsdp.recipes.data.chat import (
     BYTE_END_OF_TURN,
     IGNORE_INDEX,
     ChatFormat,
@@ -33,10 +33,10 @@ from lightning_mixedfsdp.recipes.chat import (
     hf_chat_format,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.data import ByteTokenizer, HFTokenizer, SizedDataset, StreamOrder, make_tokenizer
-from lightning_mixedfsdp.recipes.inputs import data_files, detected_format, resolved_format
-from lightning_mixedfsdp.recipes.schema import DataSection
-from lightning_mixedfsdp.recipes.stdlib_chat import stdlib_conversations
+from lightning_mixedfsdp.recipes.data.stdlib_chat import stdlib_conversations
+from lightning_mixedfsdp.recipes.data.text import ByteTokenizer, HFTokenizer, SizedDataset, StreamOrder, make_tokenizer
+from lightning_mixedfsdp.recipes.settings.inputs import data_files, detected_format, resolved_format
+from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
 FINE_TUNING = ("chat", "instruction")
 MAX_LISTED = 6

@@ -22,16 +22,18 @@ from torch import nn
 
 from lightning_mixedfsdp.checkpoint.load import load_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.recipes.inputs import (
+from lightning_mixedfsdp.recipes.models import hf_tinyllama, tiny_llama
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig
+from lightning_mixedfsdp.recipes.settings.inputs import (
     REFERENCE_MODEL_TYPE,
     REFERENCE_MODULE,
     byte_tokenizer_json,
     checkpoint_fp32_patterns,
     project_export,
 )
-from lightning_mixedfsdp.recipes.models import TinyLlamaConfig
 
-REFERENCE_CODE = (f"{REFERENCE_MODULE}.py", "models.py")
+REFERENCE_CODE = (Path(hf_tinyllama.__file__), Path(tiny_llama.__file__))
+"""The reference model's code an export carries: its HF wrapper (``auto_map`` names it) and the model it wraps."""
 """The reference model's HF wrapper and the model itself, copied into the export."""
 
 
@@ -56,9 +58,8 @@ def write_reference_config(directory: Path, model: TinyLlamaConfig, dtype: torch
         "dtype": str(dtype).removeprefix("torch."),
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    here = Path(__file__).parent
-    for name in REFERENCE_CODE:
-        shutil.copyfile(here / name, directory / name)
+    for source in REFERENCE_CODE:
+        shutil.copyfile(source, directory / source.name)
 
 
 def write_byte_tokenizer(directory: Path, chat_template: Optional[str] = None) -> None:

@@ -19,14 +19,14 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from typing_extensions import override
 
-from lightning_mixedfsdp.recipes.inputs import (
+from lightning_mixedfsdp.recipes.settings.inputs import (
     JSONL_SUFFIX,
     data_files,
     is_byte_tokenizer,
     load_hf_tokenizer,
     saved_chat_template,
 )
-from lightning_mixedfsdp.recipes.schema import DataSection
+from lightning_mixedfsdp.recipes.settings.schema import DataSection
 from lightning_mixedfsdp.strategies.lightning_compat import micro_batches_consumed
 from lightning_mixedfsdp.strategies.mixin import MixedFSDP2Mixin
 

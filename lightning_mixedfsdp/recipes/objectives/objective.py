@@ -1,0 +1,197 @@
+"""The interface every objective implements, and what they share.
+
+An objective is a LightningModule that says what a batch holds (:meth:`Objective.data`, checked before launch by
+:meth:`Objective.data_problems`), the loss and its normalisation (:meth:`Objective.training_loss`), and what is
+evaluated and logged (:meth:`Objective.evaluate`, ``evaluated``, :meth:`Objective.summary`). The base holds the rest
+of a recipe's training: the model (the reference model, or an HF model built on the meta device in
+``configure_model``, LoRA-wrapped if asked), loading a pretrained directory, AdamW with warm-up and cosine decay, and
+the ``train_loss`` and ``lr`` logs. A new objective is a subclass in its own file and one line in ``registry.py``."""
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_mixedfsdp.apply.context_parallel import ContextParallel
+from lightning_mixedfsdp.checkpoint.load import load_full_weights
+from lightning_mixedfsdp.recipes.data.text import TextCorpus
+from lightning_mixedfsdp.recipes.models.hf import build_hf_causal_lm
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
+from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config, reference_model_config
+from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe
+
+UNTRAINED_PPL = "untrained_ppl"
+"""The logged name of the held-out evaluation before training (the sanity check's, which Lightning keeps from the
+loggers, logged at step 0 by hand): the run's plot and a resumed launch's summary read it back."""
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
+    """Learning-rate factor: linear warm-up, then cosine decay to 10%."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def build_model(model: ModelSection, peft: PeftSection) -> nn.Module:
+    """The recipe's model: the reference model (or its export) on the current device, an HF model on the meta device
+    (the strategy initialises or loads it shard by shard), LoRA-wrapped if asked."""
+    reference = reference_model_config(model)
+    if reference is not None:
+        return TinyLlama(reference)
+    return build_hf_causal_lm(load_hf_config(model.hf_source()), peft.lora_arguments())
+
+
+class TrainingLoss(NamedTuple):
+    loss: Tensor
+    """What backward runs on: normalised so that the step's gradient is the objective's (over micro-batches and
+    data-parallel ranks)."""
+    logged: Tensor
+    """``train_loss`` as logged: this micro-batch's own mean, comparable between steps."""
+
+
+class Objective(pl.LightningModule, ABC):
+    """One thing a recipe trains (see the module's docstring)."""
+
+    formats: ClassVar[Tuple[str, ...]]
+    """The data formats it trains on (``text``, ``chat``, ``instruction``): the recipe's data resolves to one."""
+    evaluated: ClassVar[str]
+    """What the held-out evaluation measures, as the console says it."""
+
+    def __init__(
+        self,
+        model: ModelSection,
+        lr: float,
+        weight_decay: float,
+        betas: List[float],
+        warmup_steps: int,
+        max_steps: int,
+        peft: Optional[PeftSection] = None,
+    ) -> None:
+        super().__init__()
+        self.model_section, self.peft = model, peft or PeftSection()
+        # the reference model (or its export) is built here; an HF model in configure_model, on the meta device
+        self.model: Optional[nn.Module] = build_model(model, self.peft) if reference_model_config(model) else None
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
+        self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.evaluations: Dict[str, float] = {}
+        """The held-out evaluations of this launch: ``untrained`` (the sanity check), ``step N``."""
+
+    # -- what a batch holds
+
+    @classmethod
+    @abstractmethod
+    def data(cls, recipe: Recipe) -> TextCorpus:
+        """The recipe's data as this objective's batches (every recipe data module is a :class:`TextCorpus`: its
+        tokenizer goes into the export)."""
+
+    @classmethod
+    @abstractmethod
+    def data_problems(cls, recipe: Recipe, ranks: int) -> List[str]:
+        """Why the recipe's data would not train on ``ranks`` data-parallel ranks, each with its fix (before launch)."""
+
+    @classmethod
+    def asked_for(cls, recipe: Recipe) -> Optional[str]:
+        """The recipe key that asks for this objective without naming it (``teacher.pretrained``), or None."""
+        return None
+
+    @classmethod
+    def recipe_problems(cls, recipe: Recipe) -> List[str]:
+        """What else this objective needs of the recipe, each with its fix (before launch; its files exist)."""
+        return []
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> "Objective":
+        optim = recipe.optimizer
+        return cls(
+            recipe.model,
+            optim.lr,
+            optim.weight_decay,
+            list(optim.betas),
+            optim.warmup_steps,
+            recipe.trainer.max_steps,
+            peft=recipe.peft,
+        )
+
+    # -- the loss and its normalisation
+
+    @abstractmethod
+    def training_loss(self, batch: Any) -> TrainingLoss:
+        """This micro-batch's loss."""
+
+    # -- what is evaluated and logged
+
+    @abstractmethod
+    def evaluate(self, batch: Any) -> None:
+        """Add a held-out batch to the evaluation (reported at the epoch's end)."""
+
+    @classmethod
+    @abstractmethod
+    def summary(cls, untrained: Optional[float], trained: Optional[float], steps: int, pretrained: bool) -> str:
+        """The run's last line, from the evaluations before (``untrained``) and after (``trained``) training."""
+
+    def evaluation(self, step: Optional[int]) -> Optional[float]:
+        """The held-out evaluation at optimizer step ``step``, or before training (``None``); None when there was
+        none (before training: this launch resumed a run)."""
+        return self.evaluations.get("untrained" if step is None else f"step {step}")
+
+    # -- what every objective shares
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.model_section, self.peft)
+
+    @override
+    def on_fit_start(self) -> None:
+        # a resumed run restores its own weights; only a fresh run starts from the pretrained directory
+        if self.model_section.pretrained is not None and self.trainer.ckpt_path is None:
+            assert self.model is not None  # configure_model built it
+            load_full_weights(self.model, self.model_section.pretrained)
+
+    @override
+    def on_train_start(self) -> None:
+        """The learning rate is a pure function of the step and this command's ``lr``, ``warmup_steps`` and
+        ``max_steps``, as the data order is of the step: a resumed run restores the scheduler's step, and a run
+        extended with a larger ``max_steps`` continues on the cosine planned to the new end (the LR rises from
+        where the shorter schedule left it to the new curve's value at this step). The checkpoint's optimizer and
+        scheduler hold the old run's rates; set them from the plan."""
+        optimizer = self.trainer.optimizers[0]
+        scheduler = self.trainer.lr_scheduler_configs[0].scheduler
+        factor = warmup_cosine(self.global_step, self.warmup_steps, self.max_steps)
+        scheduler.base_lrs = [self.lr for _ in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * factor
+
+    @override
+    def training_step(self, batch: Any, _: int) -> Tensor:
+        loss, logged = self.training_loss(batch)
+        self.log("train_loss", logged, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
+        return loss
+
+    @override
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.evaluate(batch)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
+        optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def context_parallel(self) -> Optional[ContextParallel]:
+        """The strategy's context parallelism when it splits sequences (None otherwise)."""
+        context = getattr(self.trainer.strategy, "context_parallel", None)
+        return context if isinstance(context, ContextParallel) and context.enabled else None
+
+    def data_parallel_ranks(self) -> int:
+        """The ranks whose gradients FSDP averages (context-parallel ranks share their rows)."""
+        return int(self.trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]

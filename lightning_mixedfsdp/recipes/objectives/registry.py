@@ -1,0 +1,63 @@
+"""The objectives a recipe names (``objective: <name>``), and the one a recipe that names none trains: the one a key
+of the recipe asks for (:meth:`Objective.asked_for`), else the first whose data format the recipe's data resolves
+to."""
+
+import difflib
+from typing import Dict, List, Type
+
+from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
+from lightning_mixedfsdp.recipes.objectives.objective import Objective
+from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
+from lightning_mixedfsdp.recipes.settings.inputs import resolved_format
+from lightning_mixedfsdp.recipes.settings.schema import Recipe
+
+OBJECTIVES: Dict[str, Type[Objective]] = {
+    "language_modeling": CausalLM,
+    "sft": ChatLM,
+}
+"""Every objective by the name a recipe gives it; the first that trains a data format is that format's default."""
+
+
+def objective_name(recipe: Recipe) -> str:
+    """The recipe's ``objective``, or the one a key of the recipe asks for, or the first registered one that trains
+    its data's format."""
+    if recipe.objective is not None:
+        return recipe.objective
+    asked = [name for name, objective in OBJECTIVES.items() if objective.asked_for(recipe) is not None]
+    if asked:
+        return asked[0]
+    data_format = resolved_format(recipe.data)
+    return next(name for name, objective in OBJECTIVES.items() if data_format in objective.formats)
+
+
+def objective_class(recipe: Recipe) -> Type[Objective]:
+    """The class that trains the recipe (its name checked before launch by :func:`objective_problems`)."""
+    return OBJECTIVES[objective_name(recipe)]
+
+
+def objective_problems(recipe: Recipe) -> List[str]:
+    """An unknown ``objective``, one that does not train the data's format, keys that ask for another objective, and
+    what the objective needs of the recipe, each with the fix."""
+    name = recipe.objective
+    if name is None:
+        return OBJECTIVES[objective_name(recipe)].recipe_problems(recipe)
+    if name not in OBJECTIVES:
+        close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return [
+            f"objective={name!r} is not one of {sorted(OBJECTIVES)}; {hint}leave it unset to train the data's format"
+        ]
+    data_format = resolved_format(recipe.data)
+    formats = OBJECTIVES[name].formats
+    if data_format not in formats:
+        fitting = [other for other, objective in OBJECTIVES.items() if data_format in objective.formats]
+        return [
+            f"objective={name!r} trains on {' or '.join(formats)} data, and data.format resolves to {data_format!r};"
+            f" point data.files at {' or '.join(formats)} records, or set objective to one of {fitting}"
+        ]
+    problems = [
+        f"{key} asks for objective {other!r}, and objective={name!r}; leave objective unset, or remove {key}"
+        for other, objective in OBJECTIVES.items()
+        if other != name and (key := objective.asked_for(recipe)) is not None
+    ]
+    return problems + OBJECTIVES[name].recipe_problems(recipe)
