@@ -102,7 +102,7 @@ def test_strategy_accepts_a_mapping_and_keyword_overrides() -> None:
 
 
 def test_strategy_rejects_bad_mesh_sizes() -> None:
-    with pytest.raises(ValueError, match=r"MixedFSDP2Strategy: data_parallel_replicate_size=0 must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"parallelism.data_parallel_replicate_size=0 must be an int >= 1; use 1 for"):
         MixedFSDP2Strategy(data_parallel_replicate_size=0)
 
 
