@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
+from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.hf import build_hf_causal_lm
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
@@ -103,6 +104,11 @@ class Objective(pl.LightningModule, ABC):
     def recipe_problems(cls, recipe: Recipe) -> List[str]:
         """What else this objective needs of the recipe, each with its fix (before launch; its files exist)."""
         return []
+
+    @classmethod
+    def strategy_needs(cls, recipe: Recipe, config: MixedFSDPConfig) -> None:
+        """Set in the strategy's ``config`` what this objective's models need (a second model's keep-fp32 rules, its
+        4-bit weights)."""
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "Objective":

@@ -1,10 +1,11 @@
 """The objectives a recipe names (``objective: <name>``), and the one a recipe that names none trains: the one a key
-of the recipe asks for (:meth:`Objective.asked_for`), else the first whose data format the recipe's data resolves
-to."""
+of the recipe asks for (``teacher.pretrained``: distillation), else the first whose data format the recipe's data
+resolves to."""
 
 import difflib
 from typing import Dict, List, Type
 
+from lightning_mixedfsdp.recipes.objectives.distillation import Distillation
 from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
 from lightning_mixedfsdp.recipes.objectives.objective import Objective
 from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
@@ -14,6 +15,7 @@ from lightning_mixedfsdp.recipes.settings.schema import Recipe
 OBJECTIVES: Dict[str, Type[Objective]] = {
     "language_modeling": CausalLM,
     "sft": ChatLM,
+    "distillation": Distillation,
 }
 """Every objective by the name a recipe gives it; the first that trains a data format is that format's default."""
 

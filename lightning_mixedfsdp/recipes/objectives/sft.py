@@ -10,7 +10,7 @@ losses over its trained tokens, however the rows are split into micro-batches an
 for the text recipes."""
 
 import math
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 from torch import Tensor
 from typing_extensions import override
@@ -37,7 +37,7 @@ class ChatLM(CausalLM):
     """:class:`CausalLM` on fine-tuning rows: ``input_ids``, unshifted ``labels`` (-100 where nothing is trained),
     ``position_ids`` (restarting at each packed example) and, in training, ``step_tokens``."""
 
-    formats = FINE_TUNING
+    formats: ClassVar[Tuple[str, ...]] = FINE_TUNING
     evaluated = "held-out perplexity on the trained tokens"
 
     @override

@@ -71,8 +71,9 @@ class Outcome:
 
 
 def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
-    """The recipe's strategy section, plus what its model needs: a pretrained directory is loaded into the shards
-    (no random init, except LoRA adapters) with the fp32 tensors of a mixed-dtype checkpoint kept fp32."""
+    """The recipe's strategy section, plus what its models need: a pretrained directory is loaded into the shards
+    (no random init, except LoRA adapters) with the fp32 tensors of a mixed-dtype checkpoint kept fp32; what the
+    objective's other models need (a teacher's)."""
     config = recipe.mixed_fsdp_config()
     if recipe.model.pretrained is not None:
         config.dtypes.keep_fp32_params = [
@@ -80,6 +81,7 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
             *checkpoint_fp32_patterns(recipe.model.pretrained),
         ]
         config.weights.init_meta_params = recipe.peft.enabled
+    objective_class(recipe).strategy_needs(recipe, config)
     return config
 
 

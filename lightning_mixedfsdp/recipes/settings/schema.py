@@ -150,6 +150,31 @@ class PeftSection:
 
 
 @dataclass
+class TeacherSection:
+    pretrained: Optional[str] = None
+    """A frozen teacher to distil from: a local HF model directory or one of this project's exports (its tokenizer
+    must be the data's). Set, the recipe distils (``objective: distillation``); the teacher is sharded at its storage
+    dtype, frozen, and left out of checkpoints and exports (it is read from here again on resume)."""
+    quantize: str = "none"
+    """``nf4``: the teacher's Linear weights in 4 bits (torchao's NF4, as ``strategy.quantize_base``); ``none``: at
+    the storage dtype."""
+
+
+@dataclass
+class DistillSection:
+    loss: str = "forward_kl"
+    """The divergence of the student's token distribution from the teacher's: ``forward_kl`` (KL(teacher ||
+    student)), ``reverse_kl`` (KL(student || teacher)) or ``jsd`` (Jensen-Shannon), over the tokenizer's tokens."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the softmax; the divergence is multiplied by its square."""
+    weight: float = 0.5
+    """The divergence's share of the loss, the labels' cross-entropy the rest: ``1`` distils only, ``0`` trains on
+    the labels alone (the teacher still runs: its held-out perplexity is still reported)."""
+    chunk_tokens: int = 1024
+    """Tokens whose logits the loss makes at once: no step holds either model's logits for more of them."""
+
+
+@dataclass
 class OptimizerSection:
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
@@ -185,13 +210,16 @@ class MonitorSection:
 @dataclass
 class Recipe:
     objective: Optional[str] = None
-    """What is trained: ``language_modeling`` (text) or ``sft`` (chat or instruction data); unset: the one a key of
-    the recipe asks for, else the one the data's format trains (``recipes/objectives/registry.py`` lists them)."""
+    """What is trained: ``language_modeling`` (text), ``sft`` (chat or instruction data) or ``distillation`` (either,
+    from ``teacher.pretrained``); unset: the one the recipe asks for (a teacher: ``distillation``), else the one the
+    data's format trains (``recipes/objectives/registry.py`` lists them)."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     peft: PeftSection = field(default_factory=PeftSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
+    distill: DistillSection = field(default_factory=DistillSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     output: OutputSection = field(default_factory=OutputSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)

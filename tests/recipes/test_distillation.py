@@ -1,0 +1,249 @@
+"""Distillation through the runner's own pieces, as a recipe runs it: an HF Llama teacher (its vocabulary padded past
+the byte tokenizer's 256 tokens) and a smaller HF Llama student, fp32.
+
+One launch of 2 ranks trains 4 steps (a checkpoint at step 2) and resumes a second run from that checkpoint; one
+process trains the same 4 steps on the whole batch. The student's export after 4 steps equals the one process's
+(1e-5), and the resumed run's equals the straight run's; the teacher's params are sharded, fp32, frozen, without
+grads and without optimizer state; checkpoints and exports hold no teacher tensor. Refusals before launch run in
+this process."""
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.settings.schema import RecipeError
+from lightning_mixedfsdp.testing import run_distributed
+
+STUDENT = (
+    "{model_type: llama, vocab_size: 256, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,"
+    " num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 256}"
+)
+TEACHER_VOCAB = 272  # padded past the tokenizer's 256 tokens, as model families ship them
+STEPS, BATCH = 4, 2
+
+
+def overrides(teacher: Path, output: Path, batch: int, devices: int, steps: int = STEPS) -> List[str]:
+    return [
+        "trainer.accelerator=cpu", f"trainer.devices={devices}", f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=4", "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=2",
+        "trainer.keep_checkpoints=4", "trainer.precision=32-true", f"model.hf_config={STUDENT}",
+        f"teacher.pretrained={teacher}", "distill.loss=jsd", "distill.temperature=2.0", "distill.weight=0.7",
+        "distill.chunk_tokens=40", "data.seq_len=32", f"data.batch_size={batch}", "data.val_windows=4",
+        "data.max_bytes=60000", "optimizer.lr=0.01", "optimizer.warmup_steps=1", f"output.dir={output}",
+    ]  # fmt: skip
+
+
+def make_teacher(folder: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer
+
+    torch.manual_seed(3)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=TEACHER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
+    """``runner.run`` with a callback that reads the teacher and the optimizer at the end of training."""
+    import lightning.pytorch as pl
+
+    from lightning_mixedfsdp.recipes.run import runner
+
+    seen: Dict[str, Any] = {}
+
+    class ReadTheTeacher(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+            optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+            teacher = dict(module.teacher.named_parameters())
+            seen["teacher"] = {
+                name: {
+                    "placement": str(getattr(param, "placements", None)),
+                    "dtype": str(param.dtype),
+                    "trains": param.requires_grad,
+                    "grad": param.grad is not None,
+                    "optimized": id(param) in optimized or param in trainer.optimizers[0].state,
+                    "local_rows": param.to_local().shape[0] if hasattr(param, "to_local") else None,
+                }
+                for name, param in teacher.items()
+            }
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, module: Any, optimizer: Any) -> None:
+            # the output projection is used by the chunked loss alone (its forward call sees an empty sequence)
+            grad = module.model.lm_head.weight.grad
+            seen.setdefault("head_grad_norms", []).append(grad.full_tensor().norm().item() if grad is not None else 0.0)
+
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, index: int) -> None:
+            if index == 0 and "first_loss" not in seen:  # the loss as trained, and as its formula gives it
+                with torch.no_grad():
+                    seen["first_loss"] = module.training_loss(batch).logged.item()
+                    student = module.model(input_ids=batch).logits[:, :-1, :256].double()
+                    teacher = module.teacher(input_ids=batch).logits[:, :-1, :256].double()
+                seen["first_loss_by_formula"] = _loss_by_formula(student, teacher, batch[:, 1:]).item()
+
+    runner.monitors = lambda recipe: [ReadTheTeacher()]  # type: ignore[assignment]  # this process's runner only
+    runner.run(load_recipe(None, recipe_overrides, launching=False), checkpoint)
+    return seen
+
+
+def _loss_by_formula(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The recipe's loss written out: 0.7 x JSD at temperature 2 (times 4) + 0.3 x cross-entropy, the mean over every
+    token (the student's vocabulary is the tokenizer's here, so its cross-entropy is over the same 256 logits)."""
+    p_s, p_t = torch.softmax(student / 2, -1), torch.softmax(teacher / 2, -1)
+    m = (p_s + p_t) / 2
+    jsd = ((p_t * (p_t / m).log()).sum(-1) + (p_s * (p_s / m).log()).sum(-1)) / 2 * 4
+    cross_entropy = -torch.log_softmax(student, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return (0.7 * jsd + 0.3 * cross_entropy).mean()
+
+
+def _two_ranks(rank: int, world_size: int, teacher: str, folder: str) -> Dict[str, Any]:
+    straight, resumed = Path(folder) / "straight", Path(folder) / "resumed"
+    seen = _fit(overrides(Path(teacher), straight, BATCH, world_size))
+    _fit(overrides(Path(teacher), resumed, BATCH, world_size), straight / "checkpoints" / "step=2.ckpt")
+    return seen
+
+
+def _one_process(rank: int, world_size: int, teacher: str, folder: str) -> Dict[str, Any]:
+    return _fit(overrides(Path(teacher), Path(folder) / "one_process", BATCH * 2, 1))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    folder = tmp_path_factory.mktemp("distillation")
+    teacher = make_teacher(folder / "teacher")
+    ranks = run_distributed(_two_ranks, 2, str(teacher), str(folder), timeout=600)
+    one = run_distributed(_one_process, 1, str(teacher), str(folder), timeout=600)
+    return {"folder": folder, "teacher": teacher, "ranks": ranks, "one": one[0]}
+
+
+def _export(folder: Path) -> Dict[str, torch.Tensor]:
+    return load_file(str(folder / "export" / "model.safetensors"))
+
+
+def test_the_students_weights_after_four_steps_equal_one_process_on_the_whole_batch(runs: Dict[str, Any]) -> None:
+    two, one = _export(runs["folder"] / "straight"), _export(runs["folder"] / "one_process")
+    assert two.keys() == one.keys() and len(two) == 21  # the student's tensors, every one
+    for name in two:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_trained_loss_is_its_formula_on_the_whole_logits(runs: Dict[str, Any]) -> None:
+    one = runs["one"]
+    assert one["first_loss"] == pytest.approx(one["first_loss_by_formula"], rel=1e-5)
+    for rank in runs["ranks"]:  # each rank's own micro-batch
+        assert rank["first_loss"] == pytest.approx(rank["first_loss_by_formula"], rel=1e-5)
+
+
+def test_the_output_projection_learns_from_the_chunked_loss(runs: Dict[str, Any]) -> None:
+    for run in [runs["one"], *runs["ranks"]]:
+        assert len(run["head_grad_norms"]) == STEPS and min(run["head_grad_norms"]) > 0
+
+
+def test_a_resumed_run_repeats_the_straight_runs_steps(runs: Dict[str, Any]) -> None:
+    straight, resumed = _export(runs["folder"] / "straight"), _export(runs["folder"] / "resumed")
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_teacher_is_sharded_frozen_and_outside_the_optimizer(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        teacher = rank["teacher"]
+        assert teacher and all(p["dtype"] == "torch.float32" for p in teacher.values())
+        assert not any(p["trains"] or p["grad"] or p["optimized"] for p in teacher.values())
+        embedding = teacher["model.embed_tokens.weight"]
+        assert embedding["placement"] == "(Shard(dim=0),)" and embedding["local_rows"] == TEACHER_VOCAB // 2
+
+
+def test_checkpoints_and_exports_hold_the_student_alone(runs: Dict[str, Any]) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    straight = runs["folder"] / "straight"
+    saved = list(FileSystemReader(str(straight / "checkpoints" / "last.ckpt")).read_metadata().state_dict_metadata)
+    assert any(key.startswith("state_dict.model.") for key in saved)  # the student, under its attribute
+    assert not any("teacher" in key for key in saved)
+    export = _export(straight)
+    assert export["model.embed_tokens.weight"].shape == (256, 32)  # the student's, not the teacher's (272, 64)
+    assert json.loads((straight / "export" / "config.json").read_text())["hidden_size"] == 32
+
+
+def test_the_csv_log_holds_both_losses_and_both_perplexities(runs: Dict[str, Any]) -> None:
+    from lightning_mixedfsdp.recipes.run.plot import read_metrics
+
+    metrics = read_metrics(runs["folder"] / "straight" / "logs")
+    assert len(metrics["train_kd_loss"]) == STEPS and len(metrics["train_ce_loss"]) == STEPS
+    assert all(value > 0 for value in metrics["train_kd_loss"].values())
+    assert set(metrics["teacher_ppl"]) == {0} and "val_ppl" in metrics
+
+
+# -- refusals before launch, each with its fix
+
+
+def _refusal(teacher: Path, *extra: str) -> str:
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [*overrides(teacher, teacher.parent / "out", BATCH, 2), *extra], launching=False)
+    return str(error.value)
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_teacher(tmp_path_factory.mktemp("refusals") / "teacher")
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_sizes(teacher: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    other = teacher.parent / "word_teacher"
+    other.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (other / name).write_bytes((teacher / name).read_bytes())
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(other)
+    message = _refusal(other)
+    assert f"teacher.pretrained={str(other)!r} tokenizes differently from data.tokenizer='bytes'" in message
+    assert "(the teacher's 300 tokens, the data's 256)" in message
+
+
+def test_bad_distillation_settings_are_refused_all_at_once(teacher: Path) -> None:
+    message = _refusal(
+        teacher, "distill.loss=kl", "distill.temperature=0", "distill.weight=1.5", "distill.chunk_tokens=0",
+        "teacher.quantize=int8",
+    )  # fmt: skip
+    assert "teacher.quantize='int8': use one of none, nf4" in message
+    assert "distill.loss='kl': use one of forward_kl, reverse_kl, jsd" in message
+    assert "distill.temperature=0.0 must be > 0" in message
+    assert "distill.weight=1.5 must be in [0, 1]" in message
+    assert "distill.chunk_tokens=0 must be >= 1" in message
+
+
+def test_compositions_not_yet_tested_are_refused_with_the_reason(teacher: Path) -> None:
+    message = _refusal(teacher, "strategy.parallelism.context_parallel_size=2")
+    assert "distillation with strategy.parallelism.context_parallel_size=2 is not supported yet" in message
+    assert "distillation with peft.enabled=true is not supported yet" in _refusal(teacher, "peft.enabled=true")
+
+
+def test_distillation_named_without_a_teacher_and_a_teacher_under_another_objective_are_refused(
+    teacher: Path,
+) -> None:
+    base = [o for o in overrides(teacher, teacher.parent / "out", BATCH, 2) if not o.startswith("teacher.")]
+    with pytest.raises(RecipeError, match="objective='distillation' needs a teacher: set teacher.pretrained"):
+        load_recipe(None, [*base, "objective=distillation"], launching=False)
+    assert "teacher.pretrained asks for objective 'distillation', and objective='language_modeling'" in _refusal(
+        teacher, "objective=language_modeling"
+    )
+
+
+def test_a_teacher_folder_without_a_config_is_refused(teacher: Path) -> None:
+    empty = teacher.parent / "empty"
+    empty.mkdir()
+    assert f"teacher.pretrained={str(empty)!r} holds no config.json" in _refusal(empty)
