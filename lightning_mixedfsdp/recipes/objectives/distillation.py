@@ -168,8 +168,8 @@ class Distillation(ChatLM):
         ids, labels, positions = _rows(batch)
         assert self.model is not None and self.teacher is not None  # configure_model built them
         with torch.no_grad():
-            teacher_hidden, teacher_weight = _hidden_and_head(self.teacher, ids, positions, "teacher")
-        student_hidden, student_weight = _hidden_and_head(self.model, ids, positions, "student")
+            teacher_hidden, teacher_weight = hidden_and_output_weight(self.teacher, ids, positions, "teacher")
+        student_hidden, student_weight = hidden_and_output_weight(self.model, ids, positions, "student")
         sums = distillation_sums(
             student_hidden[:, :-1],
             student_weight,
@@ -350,7 +350,7 @@ def output_projection(model: nn.Module) -> nn.Module:
     return head
 
 
-def _hidden_and_head(model: nn.Module, ids: Tensor, positions: Tensor, who: str) -> Tuple[Tensor, Tensor]:
+def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, who: str) -> Tuple[Tensor, Tensor]:
     """The hidden states ``model``'s output projection reads for ``ids``, and its weight; the projection itself makes
     no logits (its hook hands it an empty sequence)."""
     head = output_projection(model)
