@@ -117,9 +117,11 @@ def apply_plan(
     replicas = replicate_params(index, plan, meshes.fsdp, device, sharding.recompute_keep_fp32_modules, restores)
     restores += apply_boundaries(index, plan.sharded_groups, sharding.recompute_keep_fp32_modules)
     ignored = {replica.param for replica in replicas}
-    offload = options.memory.offload == "cpu"
+    memory = options.memory
     for group in plan.sharded_groups:
-        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, plan.trains(group))
+        trains = plan.trains(group)
+        offload = memory.offload == "cpu" or (memory.offload_frozen == "cpu" and not trains)
+        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, trains)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))

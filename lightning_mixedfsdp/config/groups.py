@@ -229,7 +229,11 @@ class Float8(OptionGroup):
 class Memory(OptionGroup):
     """Less device memory per rank: the frozen base in 4 bits (QLoRA), the sharded state in host memory."""
 
-    FLAT_NAMES: ClassVar[Mapping[str, str]] = {"quantize_base": "quantize_base", "offload": "offload"}
+    FLAT_NAMES: ClassVar[Mapping[str, str]] = {
+        "quantize_base": "quantize_base",
+        "offload": "offload",
+        "offload_frozen": "offload_frozen",
+    }
 
     quantize_base: Optional[QuantizeBase] = None
     """Store the frozen base weights in 4 bits (QLoRA): ``"nf4"`` quantizes the weight of every frozen ``nn.Linear``
@@ -244,6 +248,11 @@ class Memory(OptionGroup):
     after the reduce-scatter, and the optimizer steps on the host. Replicated params (small or inseparable keep-fp32
     params) stay on the device with their grads and states. On CUDA the strategy's process group gets a gloo backend
     for host tensors beside NCCL. ``None``: off."""
+
+    offload_frozen: Optional[Offload] = None
+    """``"cpu"``: only the FSDP units whose params are all frozen (a distillation teacher, a DPO reference, a frozen
+    tower) keep their shards in host memory, copied to the device for each of their forwards; the trained units stay
+    on the device, and no optimizer state moves. ``offload="cpu"`` already offloads them. ``None``: off."""
 
 
 @dataclass

@@ -56,6 +56,11 @@ def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int)
     """Per-rank bytes of ``plan`` with params sharded over ``shard_ranks`` (replicated over the rest of the
     ``data_parallel_ranks``, HSDP)."""
     params = grads = optimizer = replicated = host = 0
+    offloaded_frozen = (
+        {name for group in plan.sharded_groups if not plan.trains(group) for name in group.params}
+        if plan.offload_frozen is not None
+        else set()
+    )
     for param in plan.params.values():
         local = _local_bytes(param, shard_ranks)
         state = local * (4 if param.requires_grad else 1)
@@ -66,7 +71,7 @@ def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int)
         if param.replicated:
             share = param.nbytes / data_parallel_ranks
             replicated += int((param.nbytes - share) * (4 if param.requires_grad else 1))
-        elif plan.offload is not None:
+        elif plan.offload is not None or param.name in offloaded_frozen:
             host += state
     return MemoryEstimate(params, grads, optimizer, replicated, host=host, gathered=_gathered_bytes(plan))
 

@@ -127,6 +127,7 @@ def plan_model(
         experts=experts,
         not_quantized=not_quantized,
         offload=options.memory.offload,
+        offload_frozen=options.memory.offload_frozen,
         float8_recipe=options.float8.recipe,
         float8=_float8_choices(model, index, options.float8, matches),
         float8_left_experts=fused_experts(index) if options.float8.recipe is not None else (),

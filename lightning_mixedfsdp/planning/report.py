@@ -104,6 +104,10 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
             f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
             " params stay on the device"
         )
+    elif plan.offload_frozen is not None:
+        summary.append(
+            f"offload_frozen {plan.offload_frozen}: the units with no trainable param keep their shards in host memory"
+        )
     lines = summary + [""] + format_table(header, param_rows)
     if buffer_rows:
         lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)

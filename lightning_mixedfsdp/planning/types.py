@@ -143,6 +143,8 @@ class ShardPlan:
     """With ``quantize_base``: every frozen ``nn.Linear`` weight left in its dtype, with the reason."""
     offload: Optional[str] = None
     """``"cpu"``: the sharded groups' params, grads and optimizer states live in host memory."""
+    offload_frozen: Optional[str] = None
+    """``"cpu"``: the sharded groups with no trainable param keep their params in host memory."""
     float8_recipe: Optional[str] = None
     """The float8 recipe (``"tensorwise"``, ``"rowwise"``), or None."""
     float8: Dict[str, Float8Choice] = field(default_factory=dict)

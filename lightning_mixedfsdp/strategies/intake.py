@@ -51,7 +51,8 @@ class IntakeMixin:
     @property
     def _host_collectives(self) -> bool:
         """Whether collectives meet host tensors (CPU offload), which needs a CPU backend beside NCCL."""
-        return self._config.memory.offload is not None
+        memory = self._config.memory
+        return memory.offload is not None or memory.offload_frozen is not None
 
     @property
     def config(self) -> MixedFSDPConfig:

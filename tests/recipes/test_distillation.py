@@ -1,8 +1,9 @@
 """Distillation through the runner's own pieces, as a recipe runs it: an HF Llama teacher (its vocabulary padded past
 the byte tokenizer's 256 tokens) and a smaller HF Llama student, fp32.
 
-One launch of 2 ranks trains 4 steps (a checkpoint at step 2) and resumes a second run from that checkpoint; one
-process trains the same 4 steps on the whole batch. The student's export after 4 steps equals the one process's
+One launch of 2 ranks trains 4 steps with activation checkpointing (a checkpoint at step 2), resumes a second run
+from that checkpoint, and takes a first step with a wider teacher in bf16 and in NF4; one process trains the same 4
+steps on the whole batch, without activation checkpointing. The student's export after 4 steps equals the one process's
 (1e-5), and the resumed run's equals the straight run's; the teacher's params are sharded, fp32, frozen, without
 grads and without optimizer state; checkpoints and exports hold no teacher tensor. Refusals before launch run in
 this process."""
@@ -38,15 +39,15 @@ def overrides(teacher: Path, output: Path, batch: int, devices: int, steps: int 
     ]  # fmt: skip
 
 
-def make_teacher(folder: Path) -> Path:
+def make_teacher(folder: Path, hidden: int = 64) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer
 
     torch.manual_seed(3)
     config = AutoConfig.for_model(
-        "llama", vocab_size=TEACHER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        "llama", vocab_size=TEACHER_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     write_byte_tokenizer(folder)
@@ -89,10 +90,25 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
                     student = module.model(input_ids=batch).logits[:, :-1, :256].double()
                     teacher = module.teacher(input_ids=batch).logits[:, :-1, :256].double()
                 seen["first_loss_by_formula"] = _loss_by_formula(student, teacher, batch[:, 1:]).item()
+                seen["units"], seen["offloaded_units"] = _units_and_offloaded(module.teacher)
+                seen["nf4_weights"] = sum(type(p).__name__ == "NF4Tensor" for p in module.teacher.parameters())
+                seen["nf4_weights"] += sum(
+                    type(getattr(p, "_local_tensor", None)).__name__ == "NF4Tensor" for p in module.teacher.parameters()
+                )
 
     runner.monitors = lambda recipe: [ReadTheTeacher()]  # type: ignore[assignment]  # this process's runner only
     runner.run(load_recipe(None, recipe_overrides, launching=False), checkpoint)
     return seen
+
+
+def _units_and_offloaded(teacher: Any) -> Any:
+    """The teacher's FSDP units, and how many of them hold their shards on the host (FSDP2's own record of each unit's
+    offload policy: private, read by this test only)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    units = [module for module in teacher.modules() if isinstance(module, FSDPModule)]
+    groups = [unit._get_fsdp_state()._fsdp_param_group for unit in units]
+    return len(units), sum(isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups if group is not None)
 
 
 def _loss_by_formula(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -105,10 +121,24 @@ def _loss_by_formula(student: torch.Tensor, teacher: torch.Tensor, labels: torch
     return (0.7 * jsd + 0.3 * cross_entropy).mean()
 
 
-def _two_ranks(rank: int, world_size: int, teacher: str, folder: str) -> Dict[str, Any]:
+def _two_ranks(rank: int, world_size: int, teacher: str, wide_teacher: str, folder: str) -> Dict[str, Any]:
     straight, resumed = Path(folder) / "straight", Path(folder) / "resumed"
-    seen = _fit(overrides(Path(teacher), straight, BATCH, world_size))
-    _fit(overrides(Path(teacher), resumed, BATCH, world_size), straight / "checkpoints" / "step=2.ckpt")
+    checkpointed = ["strategy.activation_checkpointing=full"]  # recomputed in fp32: the one process runs without
+    seen = _fit([*overrides(Path(teacher), straight, BATCH, world_size), *checkpointed])
+    _fit(
+        [*overrides(Path(teacher), resumed, BATCH, world_size), *checkpointed], straight / "checkpoints" / "step=2.ckpt"
+    )
+    # the first step's loss, bf16-true: the teacher's Linear weights in bf16 or NF4, or its shards on the host
+    for variant, setting in (
+        ("none", "teacher.quantize=none"),
+        ("nf4", "teacher.quantize=nf4"),
+        ("cpu", "teacher.offload=cpu"),
+    ):
+        wide = overrides(Path(wide_teacher), Path(folder) / f"teacher_{variant}", BATCH, world_size, steps=1)
+        wide += ["trainer.precision=bf16-true", setting, "trainer.val_check_interval=1"]
+        result = _fit(wide)
+        for key in ("first_loss", "nf4_weights", "offloaded_units", "units"):
+            seen[f"{key}_{variant}"] = result[key]
     return seen
 
 
@@ -120,7 +150,8 @@ def _one_process(rank: int, world_size: int, teacher: str, folder: str) -> Dict[
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     folder = tmp_path_factory.mktemp("distillation")
     teacher = make_teacher(folder / "teacher")
-    ranks = run_distributed(_two_ranks, 2, str(teacher), str(folder), timeout=600)
+    wide_teacher = make_teacher(folder / "wide_teacher", hidden=256)  # its Linear shards fill NF4's blocks
+    ranks = run_distributed(_two_ranks, 2, str(teacher), str(wide_teacher), str(folder), timeout=600)
     one = run_distributed(_one_process, 1, str(teacher), str(folder), timeout=600)
     return {"folder": folder, "teacher": teacher, "ranks": ranks, "one": one[0]}
 
@@ -146,6 +177,21 @@ def test_the_trained_loss_is_its_formula_on_the_whole_logits(runs: Dict[str, Any
 def test_the_output_projection_learns_from_the_chunked_loss(runs: Dict[str, Any]) -> None:
     for run in [runs["one"], *runs["ranks"]]:
         assert len(run["head_grad_norms"]) == STEPS and min(run["head_grad_norms"]) > 0
+
+
+def test_an_nf4_teacher_gives_the_first_loss_within_2_percent_of_the_bf16_teacher(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        assert rank["first_loss_nf4"] == pytest.approx(rank["first_loss_none"], rel=0.02)
+        assert rank["nf4_weights_none"] == 0 and rank["nf4_weights_nf4"] == 14  # q, k, v, o, gate, up, down x 2
+        assert rank["first_loss_nf4"] != rank["first_loss_none"]  # the 4-bit weights did change the teacher
+
+
+def test_an_offloaded_teacher_keeps_every_unit_on_the_host_and_gives_the_same_first_loss(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        assert rank["units_cpu"] == 3 and rank["offloaded_units_cpu"] == 3  # the root and its 2 layers
+        assert rank["offloaded_units_none"] == 0
+        # on a CPU the host is the device: the same bytes, the same loss (on a GPU: copied in for each forward)
+        assert rank["first_loss_cpu"] == pytest.approx(rank["first_loss_none"], rel=1e-6)
 
 
 def test_a_resumed_run_repeats_the_straight_runs_steps(runs: Dict[str, Any]) -> None:
@@ -184,6 +230,22 @@ def test_the_csv_log_holds_both_losses_and_both_perplexities(runs: Dict[str, Any
     assert set(metrics["teacher_ppl"]) == {0} and "val_ppl" in metrics
 
 
+def test_the_dry_run_plans_the_teacher_beside_the_student(teacher: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_mixedfsdp.recipes.run.runner import main
+
+    main(["--dry-run", *overrides(teacher, teacher.parent / "out", BATCH, 2)])
+    out = capsys.readouterr().out
+    student, teacher_plan = out.split("== teacher")
+    assert student.startswith("== model") and "AdamW states" in student
+    assert "reduce_scatter 0" in teacher_plan and "grads        0 B" in teacher_plan
+    assert "AdamW states 0 B" in teacher_plan and "host memory  0 B" in teacher_plan
+
+    main(["--dry-run", *overrides(teacher, teacher.parent / "out", BATCH, 2), "teacher.offload=cpu"])
+    student, teacher_plan = capsys.readouterr().out.split("== teacher")
+    assert "offload_frozen cpu: the units with no trainable param keep their shards in host memory" in teacher_plan
+    assert "host memory  0 B" in student and "host memory  0 B" not in teacher_plan
+
+
 # -- refusals before launch, each with its fix
 
 
@@ -217,9 +279,10 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_sizes(teacher: 
 def test_bad_distillation_settings_are_refused_all_at_once(teacher: Path) -> None:
     message = _refusal(
         teacher, "distill.loss=kl", "distill.temperature=0", "distill.weight=1.5", "distill.chunk_tokens=0",
-        "teacher.quantize=int8",
+        "teacher.quantize=int8", "teacher.offload=disk",
     )  # fmt: skip
     assert "teacher.quantize='int8': use one of none, nf4" in message
+    assert "teacher.offload='disk': use one of none, cpu" in message
     assert "distill.loss='kl': use one of forward_kl, reverse_kl, jsd" in message
     assert "distill.temperature=0.0 must be > 0" in message
     assert "distill.weight=1.5 must be in [0, 1]" in message
@@ -230,6 +293,10 @@ def test_compositions_not_yet_tested_are_refused_with_the_reason(teacher: Path) 
     message = _refusal(teacher, "strategy.parallelism.context_parallel_size=2")
     assert "distillation with strategy.parallelism.context_parallel_size=2 is not supported yet" in message
     assert "distillation with peft.enabled=true is not supported yet" in _refusal(teacher, "peft.enabled=true")
+    fault_tolerant = _refusal(
+        teacher, "strategy.fault_tolerance.num_replica_groups=2", "strategy.fault_tolerance.replica_id=0"
+    )
+    assert "distillation with strategy.fault_tolerance is not supported yet" in fault_tolerant
 
 
 def test_distillation_named_without_a_teacher_and_a_teacher_under_another_objective_are_refused(
@@ -246,4 +313,4 @@ def test_distillation_named_without_a_teacher_and_a_teacher_under_another_object
 def test_a_teacher_folder_without_a_config_is_refused(teacher: Path) -> None:
     empty = teacher.parent / "empty"
     empty.mkdir()
-    assert f"teacher.pretrained={str(empty)!r} holds no config.json" in _refusal(empty)
+    assert f"teacher.pretrained={str(empty)!r} is not a directory holding a config.json; point it at" in _refusal(empty)

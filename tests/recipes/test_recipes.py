@@ -144,6 +144,10 @@ def test_too_little_data_is_refused_before_launch_with_the_fix(tmp_path: Path) -
     load_recipe(None, [f"data.files=[{', '.join(map(str, docs))}]", "data.seq_len=150"])  # enough: 906 and 302
 
 
+MAIN_JOB_EXPORT_READERS = ("stdlib_llama_sft.yaml", "stdlib_llama_distill.yaml")
+"""Recipes that start from the main job's export (fine-tuned, or the teacher)."""
+
+
 @pytest.mark.parametrize("recipe_file", RECIPES, ids=lambda p: p.name)
 def test_each_shipped_recipe_loads_and_starts_with_its_launch_command(recipe_file: Path) -> None:
     first_line = recipe_file.read_text().splitlines()[0]
@@ -151,7 +155,7 @@ def test_each_shipped_recipe_loads_and_starts_with_its_launch_command(recipe_fil
     if "/path/to/your/model" in recipe_file.read_text():  # a template: its placeholder paths are refused with the fix
         with pytest.raises(RecipeError, match=r"model.pretrained='/path/to/your/model' is not a directory holding"):
             load_recipe(str(recipe_file))
-    elif recipe_file.name == "stdlib_llama_sft.yaml" and not (ROOT / "runs" / "stdlib_llama" / "export").is_dir():
+    elif recipe_file.name in MAIN_JOB_EXPORT_READERS and not (ROOT / "runs" / "stdlib_llama" / "export").is_dir():
         with pytest.raises(RecipeError, match=r"names a run's export.*run it first \(the main job: python -m"):
             load_recipe(str(recipe_file))  # (tests run from the checkout; the recipe's path is relative to it)
     else:

@@ -42,6 +42,7 @@ from lightning_mixedfsdp.recipes.settings.inputs import (
     is_byte_tokenizer,
     load_hf_tokenizer,
     model_vocab_size,
+    pretrained_problems,
     resolved_format,
     tokenizer_vocab_size,
 )
@@ -56,6 +57,7 @@ from lightning_mixedfsdp.recipes.settings.schema import (
 TEACHER = "teacher"
 """The teacher's attribute on the LightningModule: the prefix its tensors would have in a state dict."""
 QUANTIZE = ("none", "nf4")
+OFFLOAD = ("none", "cpu")
 
 
 class Distillation(ChatLM):
@@ -119,14 +121,22 @@ class Distillation(ChatLM):
 
     @override
     @classmethod
+    def other_models(cls, recipe: Recipe) -> Dict[str, nn.Module]:
+        return {TEACHER: _frozen(build_model(ModelSection(pretrained=recipe.teacher.pretrained), PeftSection()))}
+
+    @override
+    @classmethod
     def strategy_needs(cls, recipe: Recipe, config: MixedFSDPConfig) -> None:
         """The teacher's fp32 tensors stay fp32 (as a pretrained student's); ``teacher.quantize=nf4``: its Linear
-        weights in 4 bits (the student trains all of its params, so the teacher's are the only frozen ones)."""
+        weights in 4 bits, ``teacher.offload=cpu``: its units' shards on the host (the student trains all of its
+        params, so the teacher's are the only frozen ones)."""
         folder = recipe.teacher.pretrained
         if folder is not None:
             config.dtypes.keep_fp32_params = [*config.dtypes.keep_fp32_params, *checkpoint_fp32_patterns(folder)]
         if recipe.teacher.quantize == "nf4":
             config.memory.quantize_base = "nf4"
+        if recipe.teacher.offload == "cpu":
+            config.memory.offload_frozen = "cpu"
 
     @override
     @classmethod
@@ -232,6 +242,8 @@ def distillation_problems(recipe: Recipe) -> List[str]:
         )
     if teacher.quantize not in QUANTIZE:
         problems.append(f"teacher.quantize={teacher.quantize!r}: use one of {', '.join(QUANTIZE)}")
+    if teacher.offload not in OFFLOAD:
+        problems.append(f"teacher.offload={teacher.offload!r}: use one of {', '.join(OFFLOAD)}")
     if distill.loss not in DIVERGENCES:
         problems.append(f"distill.loss={distill.loss!r}: use one of {', '.join(DIVERGENCES)}")
     if not distill.temperature > 0:
@@ -246,6 +258,11 @@ def distillation_problems(recipe: Recipe) -> List[str]:
             f"distillation with strategy.parallelism.context_parallel_size={context} is not supported yet (the"
             " loss reads each model's hidden states whole); set it to 1"
         )
+    if recipe.strategy.fault_tolerance is not None:
+        problems.append(
+            "distillation with strategy.fault_tolerance is not supported yet (a healing group would also need the"
+            " teacher, which no heal transfers); remove strategy.fault_tolerance"
+        )
     if recipe.peft.enabled:
         problems.append(
             "distillation with peft.enabled=true is not supported yet (the student's output projection under a"
@@ -259,9 +276,9 @@ def distillation_problems(recipe: Recipe) -> List[str]:
 def _teacher_problems(recipe: Recipe, folder: str) -> List[str]:
     """The teacher's folder: its config, its logits unsoftcapped, its tokenizer the data's, its vocabulary wide
     enough."""
-    path = Path(folder)
-    if not (path / "config.json").is_file():
-        return [f"teacher.pretrained={folder!r} holds no config.json; point it at a save_pretrained() directory"]
+    missing = pretrained_problems("teacher.pretrained", folder)
+    if missing:
+        return missing
     problems = []
     source = ModelSection(pretrained=folder)
     fields = hf_config_fields(folder)

@@ -106,6 +106,12 @@ class Objective(pl.LightningModule, ABC):
         return []
 
     @classmethod
+    def other_models(cls, recipe: Recipe) -> Dict[str, nn.Module]:
+        """The models besides the recipe's ``model`` this objective trains with, by attribute (a frozen teacher),
+        built on the current device (the dry run: meta)."""
+        return {}
+
+    @classmethod
     def strategy_needs(cls, recipe: Recipe, config: MixedFSDPConfig) -> None:
         """Set in the strategy's ``config`` what this objective's models need (a second model's keep-fp32 rules, its
         4-bit weights)."""

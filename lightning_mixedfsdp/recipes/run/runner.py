@@ -215,15 +215,20 @@ def export(trainer: pl.Trainer, module: Objective, datamodule: TextCorpus, recip
 
 
 def dry_run(recipe: Recipe) -> None:
-    """Print the dtype plan and per-rank memory for the recipe's model at its world size; train nothing."""
+    """Print the dtype plan and per-rank memory for the recipe's model at its world size, and for each other model
+    its objective holds (a teacher), as the strategy plans each child of the LightningModule; train nothing."""
     with torch.device("meta"):  # the reference model too: nothing is allocated
-        model = build_model(recipe.model, recipe.peft)
+        models = {"model": build_model(recipe.model, recipe.peft), **objective_class(recipe).other_models(recipe)}
     world, replicate = recipe.world_size, recipe.strategy.parallelism.data_parallel_replicate_size
-    plan = plan_sharding(model, strategy_config(recipe), recipe.trainer.precision)
-    estimate = estimate_memory(plan, shard_ranks=world // replicate, data_parallel_ranks=world)
-    print(format_plan(plan))
-    print()
-    print(format_summary(plan, estimate, world, replicate, None))
+    config = strategy_config(recipe)
+    for name, model in models.items():
+        plan = plan_sharding(model, config, recipe.trainer.precision)
+        estimate = estimate_memory(plan, shard_ranks=world // replicate, data_parallel_ranks=world)
+        if len(models) > 1:
+            print(f"== {name}")
+        print(format_plan(plan))
+        print()
+        print(format_summary(plan, estimate, world, replicate, None))
 
 
 def run_folder(recipe: Recipe) -> RunFolder:

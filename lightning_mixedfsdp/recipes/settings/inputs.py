@@ -308,6 +308,22 @@ def tokenizer_vocab_size(spec: str, trust_remote_code: bool = False) -> int:
     return len(load_hf_tokenizer(spec, trust_remote_code))
 
 
+def pretrained_problems(key: str, folder: str) -> List[str]:
+    """A model folder a recipe key names that holds no ``config.json``, with the fix (a run's export: run it)."""
+    if (Path(folder) / "config.json").is_file():
+        return []
+    run_export = Path(folder).name == "export"
+    return [
+        f"{key}={folder!r} is not a directory holding a config.json; "
+        + (
+            "it names a run's export, which exists once that run has finished: run it first (the main job:"
+            " python -m lightning_mixedfsdp.train --config conf/stdlib_llama.yaml)"
+            if run_export
+            else "point it at a save_pretrained() directory"
+        )
+    ]
+
+
 def input_problems(recipe: Recipe) -> List[str]:
     """Every problem with what the recipe points at, each with its fix."""
     model, data = recipe.model, recipe.data
@@ -317,17 +333,8 @@ def input_problems(recipe: Recipe) -> List[str]:
             "model.hf_config and model.pretrained are both set; keep hf_config to train from scratch, or pretrained"
             " to fine-tune a checkpoint (its config.json comes with it)"
         )
-    if model.pretrained is not None and not (Path(model.pretrained) / "config.json").is_file():
-        run_export = Path(model.pretrained).name == "export"
-        problems.append(
-            f"model.pretrained={model.pretrained!r} is not a directory holding a config.json; "
-            + (
-                "it names a run's export, which exists once that run has finished: run it first (the main job:"
-                " python -m lightning_mixedfsdp.train --config conf/stdlib_llama.yaml)"
-                if run_export
-                else "point it at a save_pretrained() directory"
-            )
-        )
+    if model.pretrained is not None:
+        problems += pretrained_problems("model.pretrained", model.pretrained)
     vocab = None
     if not any("model." in p for p in problems):
         try:

@@ -158,6 +158,9 @@ class TeacherSection:
     quantize: str = "none"
     """``nf4``: the teacher's Linear weights in 4 bits (torchao's NF4, as ``strategy.quantize_base``); ``none``: at
     the storage dtype."""
+    offload: str = "none"
+    """``cpu``: the teacher's shards in host memory between its forwards (``strategy.memory.offload_frozen``; the
+    student and its optimizer states stay on the device); ``none``: on the device."""
 
 
 @dataclass
