@@ -102,13 +102,14 @@ def _jinja_renderer(template: str) -> Render:
     return render
 
 
-def chat_example(messages: Sequence[Dict[str, str]], chat: ChatFormat) -> Example:
-    """Token ids of the whole conversation; labels on each assistant turn's content and end-of-turn marker."""
+def chat_example(messages: Sequence[Dict[str, str]], chat: ChatFormat, last_turn_only: bool = False) -> Example:
+    """Token ids of the whole conversation; labels on each assistant turn's content and end-of-turn marker (with
+    ``last_turn_only``, on the last turn's alone: a preference pair's answer after its prompt)."""
     full = chat.encode(chat.render(messages, False))
     labels = [IGNORE_INDEX] * len(full)
     end_of_turn = chat.encode(chat.end_of_turn) if chat.end_of_turn else []
     for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (last_turn_only and turn != len(messages) - 1):
             continue
         start = len(_prefix(chat, messages, turn, True, full))
         end = len(_prefix(chat, messages, turn + 1, False, full))

@@ -68,3 +68,20 @@ def stdlib_conversations(seed: int = 0) -> Iterator[List[Message]]:
                 {"role": "assistant", "content": other_answer},
             ]
         yield messages
+
+
+def stdlib_preference_pairs(seed: int = 0) -> Iterator[Dict[str, List[Message]]]:
+    """One conversational preference pair per documented function, in a seeded order: the question, the chosen
+    answer its docstring's first line, the rejected one the first line of the next function's docstring (a fluent
+    answer about another function)."""
+    functions = documented_functions()
+    random.Random(seed).shuffle(functions)
+    for index, (name, answer) in enumerate(functions):
+        other = functions[(index + 1) % len(functions)][1]
+        if other == answer:
+            continue
+        yield {
+            "prompt": [{"role": "user", "content": QUESTIONS[index % len(QUESTIONS)].format(name=name)}],
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": other}],
+        }

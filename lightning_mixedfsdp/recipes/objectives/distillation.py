@@ -33,11 +33,16 @@ from lightning_mixedfsdp.recipes.data.sft import FINE_TUNING
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.objectives.divergences import DIVERGENCES, distillation_sums
+from lightning_mixedfsdp.recipes.objectives.frozen import (
+    frozen_model,
+    frozen_model_needs,
+    leave_out_of_checkpoints,
+    storage_problems,
+)
 from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
-from lightning_mixedfsdp.recipes.objectives.objective import TrainingLoss, build_model
+from lightning_mixedfsdp.recipes.objectives.objective import TrainingLoss
 from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
 from lightning_mixedfsdp.recipes.settings.inputs import (
-    checkpoint_fp32_patterns,
     hf_config_fields,
     is_byte_tokenizer,
     load_hf_tokenizer,
@@ -56,8 +61,6 @@ from lightning_mixedfsdp.recipes.settings.schema import (
 
 TEACHER = "teacher"
 """The teacher's attribute on the LightningModule: the prefix its tensors would have in a state dict."""
-QUANTIZE = ("none", "nf4")
-OFFLOAD = ("none", "cpu")
 
 
 class Distillation(ChatLM):
@@ -83,15 +86,13 @@ class Distillation(ChatLM):
         self.teacher_section, self.distill = teacher or TeacherSection(), distill or DistillSection()
         self.vocab = vocab
         """The tokenizer's tokens: the rows of both output projections the divergence compares."""
-        self.teacher_source = ModelSection(pretrained=self.teacher_section.pretrained)
         self.teacher: Optional[nn.Module] = None
         if self.model is not None:  # a reference student: a reference teacher (an export of one) is built here too
-            self.teacher = _frozen(build_model(self.teacher_source, PeftSection()))
+            self.teacher = frozen_model(self._teacher_folder)
         self.teacher_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
         self.teacher_evaluation: Optional[float] = None
         """The teacher's held-out perplexity (the sanity check's)."""
-        self.register_state_dict_post_hook(_leave_out_the_teacher)
-        self.register_load_state_dict_post_hook(_teacher_not_expected)
+        leave_out_of_checkpoints(self, TEACHER)
 
     # -- what a batch holds
 
@@ -122,7 +123,8 @@ class Distillation(ChatLM):
     @override
     @classmethod
     def other_models(cls, recipe: Recipe) -> Dict[str, nn.Module]:
-        return {TEACHER: _frozen(build_model(ModelSection(pretrained=recipe.teacher.pretrained), PeftSection()))}
+        assert recipe.teacher.pretrained is not None  # checked before launch
+        return {TEACHER: frozen_model(recipe.teacher.pretrained)}
 
     @override
     @classmethod
@@ -130,13 +132,9 @@ class Distillation(ChatLM):
         """The teacher's fp32 tensors stay fp32 (as a pretrained student's); ``teacher.quantize=nf4``: its Linear
         weights in 4 bits, ``teacher.offload=cpu``: its units' shards on the host (the student trains all of its
         params, so the teacher's are the only frozen ones)."""
-        folder = recipe.teacher.pretrained
-        if folder is not None:
-            config.dtypes.keep_fp32_params = [*config.dtypes.keep_fp32_params, *checkpoint_fp32_patterns(folder)]
-        if recipe.teacher.quantize == "nf4":
-            config.memory.quantize_base = "nf4"
-        if recipe.teacher.offload == "cpu":
-            config.memory.offload_frozen = "cpu"
+        teacher = recipe.teacher
+        if teacher.pretrained is not None:
+            frozen_model_needs(config, teacher.pretrained, teacher.quantize, teacher.offload)
 
     @override
     @classmethod
@@ -161,15 +159,21 @@ class Distillation(ChatLM):
     def configure_model(self) -> None:
         super().configure_model()
         if self.teacher is None:
-            self.teacher = _frozen(build_model(self.teacher_source, PeftSection()))
+            self.teacher = frozen_model(self._teacher_folder)
 
     @override
     def on_fit_start(self) -> None:
         """The teacher from its folder at every launch: checkpoints leave it out, and Lightning restores a checkpoint
         (whose fingerprint of the frozen tensors is compared with these) after this hook."""
         super().on_fit_start()
-        assert self.teacher is not None and self.teacher_section.pretrained is not None
-        load_full_weights(self.teacher, self.teacher_section.pretrained)
+        assert self.teacher is not None
+        load_full_weights(self.teacher, self._teacher_folder)
+
+    @property
+    def _teacher_folder(self) -> str:
+        folder = self.teacher_section.pretrained
+        assert folder is not None  # checked before launch
+        return folder
 
     # -- the loss
 
@@ -240,10 +244,7 @@ def distillation_problems(recipe: Recipe) -> List[str]:
             "objective='distillation' needs a teacher: set teacher.pretrained to a local HF model directory or one"
             " of this project's exports"
         )
-    if teacher.quantize not in QUANTIZE:
-        problems.append(f"teacher.quantize={teacher.quantize!r}: use one of {', '.join(QUANTIZE)}")
-    if teacher.offload not in OFFLOAD:
-        problems.append(f"teacher.offload={teacher.offload!r}: use one of {', '.join(OFFLOAD)}")
+    problems += storage_problems("teacher.", teacher.quantize, teacher.offload)
     if distill.loss not in DIVERGENCES:
         problems.append(f"distill.loss={distill.loss!r}: use one of {', '.join(DIVERGENCES)}")
     if not distill.temperature > 0:
@@ -333,10 +334,6 @@ def _vocabulary(source: str, byte_level: bool, trust_remote_code: bool) -> Dict[
     return dict(load_hf_tokenizer(source, trust_remote_code).get_vocab())
 
 
-def _frozen(model: nn.Module) -> nn.Module:
-    return model.requires_grad_(False)
-
-
 def _rows(batch: Any) -> Tuple[Tensor, Tensor, Tensor]:
     """``input_ids``, unshifted ``labels`` and ``position_ids`` of a chat batch, or of a text batch (every token its
     own label)."""
@@ -396,14 +393,3 @@ def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, w
             " the root's params gathered until the backward); do not make it a wrap unit of its own."
         )
     return seen["hidden"], weight
-
-
-def _leave_out_the_teacher(_module: nn.Module, state_dict: Dict[str, Any], prefix: str, _metadata: Any) -> None:
-    """Checkpoints hold the student alone: the teacher comes from its folder at every launch."""
-    for key in [k for k in state_dict if k.startswith(f"{prefix}{TEACHER}.")]:
-        del state_dict[key]
-
-
-def _teacher_not_expected(_module: nn.Module, incompatible_keys: Any) -> None:
-    missing = incompatible_keys.missing_keys
-    missing[:] = [key for key in missing if not key.startswith(f"{TEACHER}.")]

@@ -8,6 +8,7 @@ from typing import Dict, List, Type
 from lightning_mixedfsdp.recipes.objectives.distillation import Distillation
 from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
 from lightning_mixedfsdp.recipes.objectives.objective import Objective
+from lightning_mixedfsdp.recipes.objectives.preference import PreferenceTuning
 from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
 from lightning_mixedfsdp.recipes.settings.inputs import resolved_format
 from lightning_mixedfsdp.recipes.settings.schema import Recipe
@@ -16,6 +17,7 @@ OBJECTIVES: Dict[str, Type[Objective]] = {
     "language_modeling": CausalLM,
     "sft": ChatLM,
     "distillation": Distillation,
+    "preference": PreferenceTuning,
 }
 """Every objective by the name a recipe gives it; the first that trains a data format is that format's default."""
 

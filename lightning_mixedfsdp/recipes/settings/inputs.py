@@ -265,12 +265,14 @@ def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
 
 
 def detected_format(record: Any, text_field: str) -> Optional[str]:
-    """The format a ``.jsonl`` record's fields say: ``messages`` -> chat, ``prompt`` and ``completion`` ->
-    instruction, the text field -> text."""
+    """The format a ``.jsonl`` record's fields say: ``messages`` -> chat, ``prompt``, ``chosen`` and ``rejected`` ->
+    preference, ``prompt`` and ``completion`` -> instruction, the text field -> text."""
     if not isinstance(record, dict):
         return None
     if "messages" in record:
         return "chat"
+    if "chosen" in record and "rejected" in record:
+        return "preference"
     if "prompt" in record and "completion" in record:
         return "instruction"
     return "text" if text_field in record else None

@@ -111,10 +111,12 @@ class DataSection:
     """Held-out windows (fine-tuning: held-out rows) evaluated for the perplexity."""
     format: Optional[str] = None
     """``text`` (continued pre-training: the loss on every token), ``chat`` (each ``.jsonl`` line holds ``messages``,
-    a list of ``{role, content}``; the loss on the assistant turns) or ``instruction`` (``prompt`` and
-    ``completion``; the loss on the completion). None: detected from the first ``.jsonl`` line's fields (text files:
-    ``text``). Without ``data.files``, ``chat`` and ``instruction`` train on questions about the standard library's
-    functions answered by their docstrings."""
+    a list of ``{role, content}``; the loss on the assistant turns), ``instruction`` (``prompt`` and
+    ``completion``; the loss on the completion) or ``preference`` (``prompt``, ``chosen`` and ``rejected``: text, or
+    a list of messages ending with a user turn and one assistant message each; preference tuning). None: detected
+    from the first ``.jsonl`` line's fields (text files: ``text``). Without ``data.files``, ``chat``, ``instruction``
+    and ``preference`` train on questions about the standard library's functions answered by their docstrings (a
+    preference pair's rejected answer: the next function's)."""
     packing: bool = True
     """Fine-tuning: pack several conversations into each row of ``seq_len`` tokens, positions restarting at each and
     attention never crossing one; False: one conversation per row, padded (labelled -100). Context parallelism
@@ -178,6 +180,25 @@ class DistillSection:
 
 
 @dataclass
+class PreferenceSection:
+    reference: str = "copy"
+    """The reference model the policy's log-probabilities are compared with: ``copy``, a frozen copy of the
+    starting weights (``model.pretrained``), sharded at its storage dtype beside the policy and left out of
+    checkpoints and exports."""
+    reference_quantize: str = "none"
+    """``nf4``: the reference's Linear weights in 4 bits; ``none``: at the storage dtype."""
+    reference_offload: str = "none"
+    """``cpu``: the reference's shards in host memory between its forwards; ``none``: on the device."""
+    loss: str = "sigmoid"
+    """``sigmoid`` (DPO: ``-log sigmoid(beta x margin)`` of the summed log-probability ratios) or ``ipo`` (IPO:
+    ``(margin - 1 / (2 beta))**2`` of the per-token mean log-probability ratios)."""
+    beta: float = 0.1
+    """How far the policy may move from the reference (DPO's beta; IPO's regularisation)."""
+    sft_weight: float = 0.0
+    """Adds this times the chosen answer's negative log-likelihood (per token) to the loss; 0: off."""
+
+
+@dataclass
 class OptimizerSection:
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
@@ -213,9 +234,10 @@ class MonitorSection:
 @dataclass
 class Recipe:
     objective: Optional[str] = None
-    """What is trained: ``language_modeling`` (text), ``sft`` (chat or instruction data) or ``distillation`` (either,
-    from ``teacher.pretrained``); unset: the one the recipe asks for (a teacher: ``distillation``), else the one the
-    data's format trains (``recipes/objectives/registry.py`` lists them)."""
+    """What is trained: ``language_modeling`` (text), ``sft`` (chat or instruction data), ``distillation`` (either,
+    from ``teacher.pretrained``) or ``preference`` (preference pairs: DPO or IPO against a frozen reference); unset:
+    the one the recipe asks for (a teacher: ``distillation``), else the one the data's format trains
+    (``recipes/objectives/registry.py`` lists them)."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -223,6 +245,7 @@ class Recipe:
     peft: PeftSection = field(default_factory=PeftSection)
     teacher: TeacherSection = field(default_factory=TeacherSection)
     distill: DistillSection = field(default_factory=DistillSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     output: OutputSection = field(default_factory=OutputSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
@@ -359,7 +382,7 @@ def validate_recipe(recipe: Recipe) -> List[str]:
     return problems  # the mesh sizes and the model under them: recipes.loader, as the strategy checks them
 
 
-FORMATS = ("text", "chat", "instruction")
+FORMATS = ("text", "chat", "instruction", "preference")
 TOO_LONG = ("truncate", "drop", "error")
 LOGGERS = ("csv", "tensorboard", "wandb")
 
