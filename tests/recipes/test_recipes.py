@@ -144,8 +144,8 @@ def test_too_little_data_is_refused_before_launch_with_the_fix(tmp_path: Path) -
     load_recipe(None, [f"data.files=[{', '.join(map(str, docs))}]", "data.seq_len=150"])  # enough: 906 and 302
 
 
-MAIN_JOB_EXPORT_READERS = ("stdlib_llama_sft.yaml", "stdlib_llama_distill.yaml")
-"""Recipes that start from the main job's export (fine-tuned, or the teacher)."""
+MAIN_JOB_EXPORT_READERS = ("stdlib_llama_sft.yaml", "stdlib_llama_distill.yaml", "stdlib_llama_dpo.yaml")
+"""Recipes that start from a run's export (the main job's, fine-tuned or the teacher; the fine-tuning job's)."""
 
 
 @pytest.mark.parametrize("recipe_file", RECIPES, ids=lambda p: p.name)
@@ -155,11 +155,19 @@ def test_each_shipped_recipe_loads_and_starts_with_its_launch_command(recipe_fil
     if "/path/to/your/model" in recipe_file.read_text():  # a template: its placeholder paths are refused with the fix
         with pytest.raises(RecipeError, match=r"model.pretrained='/path/to/your/model' is not a directory holding"):
             load_recipe(str(recipe_file))
-    elif recipe_file.name in MAIN_JOB_EXPORT_READERS and not (ROOT / "runs" / "stdlib_llama" / "export").is_dir():
-        with pytest.raises(RecipeError, match=r"names a run's export.*run it first \(the main job: python -m"):
+    elif recipe_file.name in MAIN_JOB_EXPORT_READERS and not _read_export(recipe_file).is_dir():
+        with pytest.raises(RecipeError, match=r"names a run's export.*run it first \(the recipe whose output.dir is"):
             load_recipe(str(recipe_file))  # (tests run from the checkout; the recipe's path is relative to it)
     else:
         load_recipe(str(recipe_file))
+
+
+def _read_export(recipe_file: Path) -> Path:
+    """The run export a recipe starts from (its teacher or its model), relative to the checkout."""
+    import yaml
+
+    recipe = yaml.safe_load(recipe_file.read_text())
+    return ROOT / (recipe.get("teacher", {}).get("pretrained") or recipe["model"]["pretrained"])
 
 
 def _write(path: Path, text: str) -> Path:

@@ -318,8 +318,9 @@ def pretrained_problems(key: str, folder: str) -> List[str]:
     return [
         f"{key}={folder!r} is not a directory holding a config.json; "
         + (
-            "it names a run's export, which exists once that run has finished: run it first (the main job:"
-            " python -m lightning_mixedfsdp.train --config conf/stdlib_llama.yaml)"
+            "it names a run's export, which exists once that run has finished: run it first (the recipe whose"
+            f" output.dir is {Path(folder).parent}; the main job: python -m lightning_mixedfsdp.train --config"
+            " conf/stdlib_llama.yaml)"
             if run_export
             else "point it at a save_pretrained() directory"
         )
