@@ -280,3 +280,35 @@ def test_ring_routing_times_a_step_with_and_without_the_mode(capsys) -> None:
     results = ring_routing.main(["--lengths", "32", "--repeats", "1"])
     assert set(results[32]) == {"without", "with", "ratio"} and results[32]["with"] > 0
     assert "| 32 |" in capsys.readouterr().out
+
+
+def test_distill_memory_counts_the_teachers_bytes_and_the_losss_peak_and_times_both_steps(capsys) -> None:
+    pytest.importorskip("torchao")
+    from benchmarks import distill_memory
+
+    argv = ["--size", "tiny", "--seq", "32", "--steps", "1", "--loss-tokens", "512", "--loss-vocab", "8192"]
+    argv += ["--loss-hidden", "32", "--chunk-tokens", "32", "--timed", *distill_memory.TEACHERS]
+    results = distill_memory.main(argv)
+    teachers = results["teachers"]
+    rest = {name: sum(row["stored"].values()) for name, row in teachers.items()}
+    # bytes counted tensor by tensor, not measured noise: 4 bits < bf16 shards < a whole copy on each rank
+    assert rest["nf4, sharded"] < rest["bf16, sharded"] < rest["bf16, replicated"]
+    assert rest["bf16, replicated"] == teachers["bf16, replicated"]["storage"]
+    assert rest["bf16, sharded"] == pytest.approx(teachers["bf16, sharded"]["storage"] / 2, rel=0.02)
+    assert teachers["bf16, replicated"]["unit"] == teachers["bf16, replicated"]["gathered_at_once"] == 0
+    for name in ("bf16, sharded", "nf4, sharded"):
+        row = teachers[name]
+        assert 0 < row["unit"] <= row["gathered_at_once"] and sum(row["peak"].values()) > rest[name]
+        assert row["after_call"] == rest[name] + row["head_copy"]  # resharded after its forward: shards and the copy
+    assert set(results["ratios"]) == set(distill_memory.TEACHERS)
+    assert set(results["step_s"]) == {distill_memory.PLAIN, *distill_memory.TEACHERS}
+    assert all(seconds > 0 for seconds in results["step_s"].values())
+    loss = results["loss"]
+    assert set(loss) == set(distill_memory.ALLOCATORS) and all(set(rows) == {"whole", "32"} for rows in loss.values())
+    for rows in loss.values():  # the chunks compute the whole logits' loss
+        assert rows["32"]["loss"] == pytest.approx(rows["whole"]["loss"], rel=1e-4)
+    # with freed tensors leaving RSS, 16 chunks of 32 tokens hold far less than the whole [512, 8192] logits
+    assert loss["mmap"]["32"]["growth"] < loss["mmap"]["whole"]["growth"] / 2
+    out = capsys.readouterr().out
+    assert "| nf4, sharded |" in out and "| distillation, teacher bf16, sharded |" in out
+    assert "| mmap | whole [tokens, vocab] logits |" in out
