@@ -71,13 +71,14 @@ def stdlib_conversations(seed: int = 0) -> Iterator[List[Message]]:
 
 
 def stdlib_preference_pairs(seed: int = 0) -> Iterator[Dict[str, List[Message]]]:
-    """One conversational preference pair per documented function, in a seeded order: the question, the chosen
-    answer its docstring's first line, the rejected one the first line of the next function's docstring (a fluent
-    answer about another function)."""
+    """One conversational preference pair per documented function with an answer of two words or more, in a seeded
+    order: the question, the chosen answer its docstring's first line, the rejected one the same words in reverse
+    order (the same bytes, out of order: what the pair teaches is well-formed answers, which carries to functions
+    never seen; a rejected answer taken from another function would be some other pair's chosen one)."""
     functions = documented_functions()
     random.Random(seed).shuffle(functions)
     for index, (name, answer) in enumerate(functions):
-        other = functions[(index + 1) % len(functions)][1]
+        other = " ".join(reversed(answer.split()))
         if other == answer:
             continue
         yield {

@@ -116,7 +116,7 @@ class DataSection:
     a list of messages ending with a user turn and one assistant message each; preference tuning). None: detected
     from the first ``.jsonl`` line's fields (text files: ``text``). Without ``data.files``, ``chat``, ``instruction``
     and ``preference`` train on questions about the standard library's functions answered by their docstrings (a
-    preference pair's rejected answer: the next function's)."""
+    preference pair's rejected answer: the same words in reverse order)."""
     packing: bool = True
     """Fine-tuning: pack several conversations into each row of ``seq_len`` tokens, positions restarting at each and
     attention never crossing one; False: one conversation per row, padded (labelled -100). Context parallelism
