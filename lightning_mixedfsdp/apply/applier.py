@@ -117,11 +117,7 @@ def apply_plan(
     replicas = replicate_params(index, plan, meshes.fsdp, device, sharding.recompute_keep_fp32_modules, restores)
     restores += apply_boundaries(index, plan.sharded_groups, sharding.recompute_keep_fp32_modules)
     ignored = {replica.param for replica in replicas}
-    memory = options.memory
-    for group in plan.sharded_groups:
-        trains = plan.trains(group)
-        offload = memory.offload == "cpu" or (memory.offload_frozen == "cpu" and not trains)
-        apply_fully_shard(index, group, meshes, sharding.reshard_after_forward, ignored, offload, trains)
+    apply_fully_shard_groups(index, plan, meshes, options, ignored)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
     handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))
@@ -292,6 +288,18 @@ def mp_policy(group: ShardGroup) -> "MixedPrecisionPolicy":
         output_dtype=key.output if own_casts else None,
         cast_forward_inputs=own_casts,
     )
+
+
+def apply_fully_shard_groups(
+    index: ModuleIndex, plan: ShardPlan, meshes: ParallelMeshes, options: ApplyOptions, ignored: Set[nn.Parameter]
+) -> None:
+    """One ``fully_shard`` per sharded group; its shards on the host under ``memory.offload``, or under
+    ``memory.offload_frozen`` for a group with no trainable param."""
+    memory = options.memory
+    for group in plan.sharded_groups:
+        trains = plan.trains(group)
+        offload = memory.offload == "cpu" or (memory.offload_frozen == "cpu" and not trains)
+        apply_fully_shard(index, group, meshes, options.sharding.reshard_after_forward, ignored, offload, trains)
 
 
 def apply_fully_shard(

@@ -99,15 +99,7 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
     summary += float8_lines(plan)
     summary += fault_tolerance_lines(plan)
     summary += context_parallel_lines(plan)
-    if plan.offload is not None:
-        summary.append(
-            f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
-            " params stay on the device"
-        )
-    elif plan.offload_frozen is not None:
-        summary.append(
-            f"offload_frozen {plan.offload_frozen}: the units with no trainable param keep their shards in host memory"
-        )
+    summary += offload_lines(plan)
     lines = summary + [""] + format_table(header, param_rows)
     if buffer_rows:
         lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
@@ -199,3 +191,17 @@ def float8_lines(plan: ShardPlan) -> List[str]:
             f"  experts stay in the compute dtype: {', '.join(experts)} (fused 3-D expert weights, no nn.Linear)"
         )
     return lines
+
+
+def offload_lines(plan: ShardPlan) -> List[str]:
+    """What the plan keeps in host memory: the whole sharded state, or only the units with no trainable param."""
+    if plan.offload is not None:
+        return [
+            f"offload {plan.offload}: sharded params, their grads and optimizer states in host memory; replicated"
+            " params stay on the device"
+        ]
+    if plan.offload_frozen is not None:
+        return [
+            f"offload_frozen {plan.offload_frozen}: the units with no trainable param keep their shards in host memory"
+        ]
+    return []

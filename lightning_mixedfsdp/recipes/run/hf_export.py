@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_mixedfsdp.checkpoint.load import load_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.recipes.models import hf_tinyllama, tiny_llama
+from lightning_mixedfsdp.recipes.models import tiny_llama
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig
 from lightning_mixedfsdp.recipes.settings.inputs import (
     REFERENCE_MODEL_TYPE,
@@ -32,8 +32,9 @@ from lightning_mixedfsdp.recipes.settings.inputs import (
     project_export,
 )
 
-REFERENCE_CODE = (Path(hf_tinyllama.__file__), Path(tiny_llama.__file__))
-"""The reference model's code an export carries: its HF wrapper (``auto_map`` names it) and the model it wraps."""
+REFERENCE_CODE = (Path(tiny_llama.__file__).with_name(f"{REFERENCE_MODULE}.py"), Path(tiny_llama.__file__))
+"""The reference model's code an export carries: its HF wrapper (``auto_map`` names it; found beside the model, not
+imported, which would import transformers' modelling code into every launch) and the model it wraps."""
 """The reference model's HF wrapper and the model itself, copied into the export."""
 
 
