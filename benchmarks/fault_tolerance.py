@@ -105,7 +105,11 @@ def sizes_of(args: argparse.Namespace) -> List[str]:
 
 
 def median_step(folder: Path, group: Optional[int], warmup: int) -> float:
-    times = [r["seconds"] for r in records(folder, group, 0) if r["event"] == "step"][warmup:]  # type: ignore[arg-type]
+    seen = records(folder, group, 0)
+    times = [r["seconds"] for r in seen if r["event"] == "step"][warmup:]  # type: ignore[arg-type]
+    if not times:  # a group that joined late healed past the steps: say so instead of an empty median
+        events = [r["event"] for r in seen]
+        raise RuntimeError(f"no committed step after the {warmup} warm-up steps to time; the launch recorded {events}")
     return statistics.median(times)
 
 
