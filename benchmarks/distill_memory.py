@@ -8,8 +8,9 @@
    every rank. Bytes are counted tensor by tensor with each tensor's device (not RSS): at rest, the rank's stored
    shards (a 4-bit weight by its parts); at the peak of the objective's own teacher call
    (``hidden_and_output_weight(teacher, ..., "teacher")`` under ``no_grad``), the shards plus what FSDP holds
-   all-gathered (read from its param groups at every module's forward hooks) plus the output weight the objective
-   copies out. Against that: the teacher's storage bytes / world size, and the largest gathered unit (the wrap unit
+   all-gathered (read from its param groups at every module's forward hooks; the output weight's unit stays gathered
+   until the loss's backward ends, and the loss reads the weight there, so only a 4-bit one would be copied,
+   dequantized). Against that: the teacher's storage bytes / world size, and the largest gathered unit (the wrap unit
    whose sharded groups gather the most bytes, in the compute dtype, a 4-bit weight in 4 bits, from the plan).
 2. **The loss's peak memory** (one fresh process per variant, one thread): ``distillation_sums`` a chunk of tokens at
    a time, against the same forward KL and cross-entropy on the whole ``[tokens, vocab]`` logits, forward and
@@ -87,8 +88,8 @@ class TeacherBytes:
         self.head_ran = False
 
     def peak_of_call(self, ids: Tensor, positions: Tensor) -> Dict[str, Any]:
-        """The objective's teacher call, hooked: the peak of stored + gathered + the output weight it copies out
-        (from the moment the output projection has run, the copy exists)."""
+        """The objective's teacher call, hooked: the peak of stored + gathered + any copy of the output weight the
+        loss reads (from the moment the output projection has run, a copy exists)."""
         from lightning_mixedfsdp.recipes.objectives.distillation import hidden_and_output_weight, output_projection
 
         head = output_projection(self.teacher)
@@ -103,7 +104,12 @@ class TeacherBytes:
         finally:
             for handle in handles:
                 handle.remove()
-        copy = {weight.device.type: weight.untyped_storage().nbytes()}
+        after_call = self.samples[-1][0]
+        held = {t.untyped_storage().data_ptr() for p in self.fsdp_params for t in p.all_gather_outputs}
+        held.add(head.weight.untyped_storage().data_ptr())  # a teacher that is not sharded: its own weight
+        # the weight the loss reads: the gathered (or own) one itself, or a dequantized copy of a 4-bit one
+        copied = weight.untyped_storage().data_ptr() not in held
+        copy = {weight.device.type: weight.untyped_storage().nbytes() if copied else 0}
         totals = [_add(sample, copy) if after_head else sample for sample, after_head in self.samples]
         peak = max(totals, key=lambda t: sum(t.values()))
         gathered = max(sum(s.values()) - sum(self.stored.values()) for s, _ in self.samples)
@@ -112,7 +118,7 @@ class TeacherBytes:
             "peak": peak,
             "gathered_at_once": gathered,
             "head_copy": sum(copy.values()),
-            "after_call": sum(totals[-1].values()),  # what the loss then runs beside
+            "after_call": sum(_add(after_call, copy).values()),  # what the loss then runs beside
         }
 
     def _sample(self, head_ran: bool = False) -> None:
@@ -217,13 +223,16 @@ def _launch(rank: int, world: int, size: str, seq: int, steps: int, chunk: int, 
         ids = torch.randint(0, vocab, (1, seq), generator=generator)
         return ids, torch.arange(seq).expand_as(ids)
 
+    from lightning_mixedfsdp.recipes.objectives.distillation import release_output_unit
+
     ids, positions = tokens()
     for name, teacher in teachers.items():
         out[name].update(TeacherBytes(teacher).peak_of_call(ids, positions))
+        release_output_unit(teacher)  # as the objective does after the loss's backward
         dist.barrier()
 
     def step(setup: str) -> float:
-        from lightning_mixedfsdp.recipes.objectives.distillation import hidden_and_output_weight
+        from lightning_mixedfsdp.recipes.objectives.distillation import hidden_and_output_weight, release_output_unit
         from lightning_mixedfsdp.recipes.objectives.divergences import distillation_sums
 
         ids, positions = tokens()
@@ -240,6 +249,8 @@ def _launch(rank: int, world: int, size: str, seq: int, steps: int, chunk: int, 
             )
             loss = (0.5 * sums.divergence + 0.5 * sums.cross_entropy) / sums.tokens
         fabric.backward(loss)
+        if setup != PLAIN:
+            release_output_unit(teachers[setup])
         optimizer.step()
         optimizer.zero_grad()
         seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)

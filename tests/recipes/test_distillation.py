@@ -71,6 +71,8 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
             # the output projection is used by the chunked loss alone (its forward call sees an empty sequence)
             grad = module.model.lm_head.weight.grad
             seen.setdefault("head_grad_norms", []).append(grad.full_tensor().norm().item() if grad is not None else 0.0)
+            # the teacher's output unit, kept gathered for the loss, is resharded once the backward has run
+            seen.setdefault("teacher_head_after_backward", []).append(type(module.teacher.lm_head.weight).__name__)
 
         def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, index: int) -> None:
             if index == 0 and "first_loss" not in seen:  # the loss as trained, and as its formula gives it
@@ -194,6 +196,8 @@ def test_the_teacher_is_sharded_frozen_and_outside_the_optimizer(runs: Dict[str,
         assert not any(p["trains"] or p["grad"] or p["optimized"] for p in teacher.values())
         embedding = teacher["model.embed_tokens.weight"]
         assert embedding["placement"] == "(Shard(dim=0),)" and embedding["local_rows"] == TEACHER_VOCAB // 2
+        # the loss reads the teacher's gathered output weight (no copy) until its backward, then it is resharded
+        assert rank["teacher_head_after_backward"] == ["DTensor"] * STEPS
 
 
 def test_checkpoints_and_exports_hold_the_student_alone(runs: Dict[str, Any]) -> None:

@@ -207,6 +207,13 @@ class Distillation(ChatLM):
         self.log("train_ce_loss", sums.cross_entropy.detach() / tokens)
         return TrainingLoss(loss, loss.detach() * num_items / tokens)
 
+    @override
+    def on_after_backward(self) -> None:
+        """The loss's backward has remade its chunks from the teacher's output weight: its unit reshards now."""
+        super().on_after_backward()
+        assert self.teacher is not None
+        release_output_unit(self.teacher)
+
     # -- what is evaluated
 
     @override
@@ -217,6 +224,7 @@ class Distillation(ChatLM):
             assert self.teacher is not None
             logits = _logits(self.teacher, ids, positions)
             self.teacher_perplexity.update(logits[:, :-1].float(), labels[:, 1:])
+            release_output_unit(self.teacher)
 
     @override
     def on_validation_epoch_end(self) -> None:
@@ -366,8 +374,18 @@ def output_projection(model: nn.Module) -> nn.Module:
 
 def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, who: str) -> Tuple[Tensor, Tensor]:
     """The hidden states ``model``'s output projection reads for ``ids``, and its weight; the projection itself makes
-    no logits (its hook hands it an empty sequence)."""
+    no logits (its hook hands it an empty sequence).
+
+    The teacher (``who="teacher"``, run under ``no_grad``) would reshard its output projection's FSDP unit when its
+    forward ends; that unit stays gathered instead, so the loss reads the weight where it is, without a copy, until
+    :func:`release_output_unit` after the loss's backward (which remakes each chunk's logits from it). The student's
+    stays gathered until its backward as FSDP's root unit does, which then reduces the chunks' gradients with the
+    rest."""
     head = output_projection(model)
+    if who == "teacher":
+        unit = _output_unit(model)
+        if unit is not None:
+            unit.set_reshard_after_forward(False, recurse=False)
     seen: Dict[str, Tensor] = {}
 
     def take(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
@@ -375,9 +393,7 @@ def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, w
         seen["hidden"] = hidden
         weight = module.weight
         assert isinstance(weight, Tensor)
-        # the teacher's weight is resharded when its forward ends: copy it out (one gathered unit); the student's
-        # stays gathered until its backward, which then reduces the chunks' gradients with the rest
-        seen["weight"] = dequantized(weight.detach()).clone() if who == "teacher" else weight
+        seen["weight"] = dequantized(weight.detach()) if who == "teacher" else weight
         return (hidden[..., :0, :], *args[1:])
 
     handle = head.register_forward_pre_hook(take)
@@ -386,10 +402,29 @@ def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, w
     finally:
         handle.remove()
     weight = seen["weight"]
-    if who == "student" and weight.untyped_storage().size() == 0:
+    if weight.untyped_storage().size() == 0:
         raise RuntimeError(
-            "distillation: the student's output projection was resharded when its forward ended, so the loss, which"
+            f"distillation: the {who}'s output projection was resharded when its forward ended, so the loss, which"
             " reads its weight after the forward, would find it freed. It must be in the root FSDP unit (FSDP keeps"
             " the root's params gathered until the backward); do not make it a wrap unit of its own."
         )
     return seen["hidden"], weight
+
+
+def release_output_unit(model: nn.Module) -> None:
+    """Reshards the FSDP unit :func:`hidden_and_output_weight` kept gathered for ``model`` (nothing if none is)."""
+    unit = _output_unit(model)
+    if unit is not None:
+        unit.reshard()
+
+
+def _output_unit(model: nn.Module) -> Optional[Any]:
+    """The FSDP unit that gathers ``model``'s output projection: its innermost ``fully_shard``-ed ancestor."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = output_projection(model)
+    owner = None
+    for module in model.modules():  # ancestors before descendants: the last one holding the head is the innermost
+        if isinstance(module, FSDPModule) and any(m is head for m in module.modules()):
+            owner = module
+    return owner
