@@ -95,10 +95,18 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_mixedfsdp.recipes.data.preference import pair_batch
+    from lightning_mixedfsdp.recipes.objectives import preference
     from lightning_mixedfsdp.recipes.objectives.preference import answer_log_probs
     from lightning_mixedfsdp.recipes.run import runner
 
-    seen: Dict[str, Any] = {}
+    seen: Dict[str, Any] = {"scoring_passes": 0}
+    score_pairs = preference.score_pairs
+
+    def counted(*args: Any) -> Any:  # how often a precomputed reference scores the pairs
+        seen["scoring_passes"] += 1
+        return score_pairs(*args)
+
+    preference.score_pairs = counted  # type: ignore[assignment]  # this process's objective only
 
     class Read(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, index: int) -> None:
@@ -110,13 +118,18 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
                     seen["first_loss"] = module.training_loss(batch).logged.item()
                     ids, labels, positions = pair_batch(batch)
                     policy, tokens = answer_log_probs(module.model, ids, labels, positions)
-                    reference, _ = answer_log_probs(module.reference, ids, labels, positions)
+                    reference = module.reference_scores(batch, "train")
+                seen["first_batch"], seen["first_reference"] = batch, reference
                 pairs = len(ids) // 2
                 margins = (policy[:pairs] - reference[:pairs]) - (policy[pairs:] - reference[pairs:])
                 dpo = -torch.nn.functional.logsigmoid(0.5 * margins) + 0.2 * -policy[:pairs] / tokens[:pairs]
                 seen["first_loss_by_formula"] = dpo.mean().item()
 
         def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+            if "first_batch" in seen:  # the reference's scores of the first batch after training
+                seen["last_reference"] = module.reference_scores(seen.pop("first_batch"), "train")
+            if module.reference is None:
+                return
             optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
             reference = list(module.reference.parameters())
             seen["reference_frozen"] = all(not p.requires_grad and p.grad is None for p in reference)
@@ -133,6 +146,13 @@ def _two_ranks(rank: int, world_size: int, policy: str, pairs: str, folder: str)
     seen = _fit(overrides(Path(policy), Path(pairs), straight, BATCH, world_size))
     resumed = overrides(Path(policy), Path(pairs), Path(folder) / "resumed", BATCH, world_size)
     _fit(resumed, straight / "checkpoints" / "step=2.ckpt")
+    # the other references: precomputed (straight, then resumed in its own run folder), and LoRA's adapters off
+    precomputed = overrides(Path(policy), Path(pairs), Path(folder) / "precomputed", BATCH, world_size)
+    precomputed.append("preference.reference=precomputed")
+    seen["precomputed"] = _fit(precomputed)
+    seen["precomputed_resumed"] = _fit(precomputed, Path(folder) / "precomputed" / "checkpoints" / "step=2.ckpt")
+    lora = overrides(Path(policy), Path(pairs), Path(folder) / "adapters_off", BATCH, world_size)
+    seen["adapters_off"] = _fit([*lora, "peft.enabled=true", "peft.target_modules=[q_proj,v_proj,down_proj]"])
     return seen
 
 
@@ -166,6 +186,30 @@ def test_a_resumed_run_repeats_the_straight_run(runs: Dict[str, Any]) -> None:
     straight, resumed = _export(runs["folder"] / "straight"), _export(runs["folder"] / "resumed")
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_precomputed_reference_gives_the_copys_losses_and_a_resume_reads_it_back(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        precomputed, resumed = rank["precomputed"], rank["precomputed_resumed"]
+        assert precomputed["losses"] == pytest.approx(rank["losses"], rel=1e-6)
+        assert precomputed["first_loss"] == pytest.approx(precomputed["first_loss_by_formula"], rel=1e-6)
+        assert precomputed["scoring_passes"] == 2 and resumed["scoring_passes"] == 0  # training and held-out pairs
+        assert resumed["losses"] == pytest.approx(precomputed["losses"][2:], rel=1e-6)
+    stored = torch.load(runs["folder"] / "precomputed" / "reference_log_probs.pt", weights_only=True)
+    assert {name: len(scores) for name, scores in stored["scores"].items()}["held_out"] >= 4
+
+
+def test_lora_s_adapters_off_reference_is_the_starting_weights_before_and_after_training(
+    runs: Dict[str, Any],
+) -> None:
+    for rank in runs["ranks"]:
+        lora = rank["adapters_off"]
+        # at step 0 the adapters add nothing: the copy's loss; after 3 steps the base is still the starting weights
+        assert lora["first_loss"] == pytest.approx(rank["first_loss"], rel=1e-6)
+        assert lora["first_loss"] == pytest.approx(lora["first_loss_by_formula"], rel=1e-6)
+        torch.testing.assert_close(lora["last_reference"], rank["first_reference"], rtol=1e-6, atol=1e-5)
+        assert lora["losses"][-1] != pytest.approx(lora["losses"][0], rel=1e-3)  # the adapters trained
+    assert (runs["folder"] / "adapters_off" / "adapter").is_dir()
 
 
 def test_the_reference_is_sharded_frozen_and_out_of_the_optimizer_checkpoint_and_export(runs: Dict[str, Any]) -> None:
@@ -206,10 +250,10 @@ def _refusal(policy: Path, *extra: str, pairs: Any = None) -> str:
 
 def test_bad_preference_settings_are_refused_all_at_once(policy: Path) -> None:
     message = _refusal(
-        policy, "preference.reference=precomputed", "preference.loss=hinge", "preference.beta=0",
+        policy, "preference.reference=cached", "preference.loss=hinge", "preference.beta=0",
         "preference.sft_weight=-1", "preference.reference_quantize=int4", "preference.reference_offload=disk",
     )  # fmt: skip
-    assert "preference.reference='precomputed' is not supported yet" in message
+    assert "preference.reference='cached': use one of copy, adapters_off, precomputed" in message
     assert "preference.loss='hinge': use one of sigmoid, ipo" in message
     assert "preference.beta=0.0 must be > 0" in message
     assert "preference.sft_weight=-1.0 must be >= 0" in message
@@ -225,7 +269,22 @@ def test_a_policy_without_starting_weights_and_untested_compositions_are_refused
     assert "context_parallel_size=2 is not supported yet" in _refusal(
         policy, "strategy.parallelism.context_parallel_size=2"
     )
-    assert "preference tuning with peft.enabled=true is not supported yet" in _refusal(policy, "peft.enabled=true")
+    fault_tolerant = _refusal(
+        policy, "strategy.fault_tolerance.num_replica_groups=2", "strategy.fault_tolerance.replica_id=0"
+    )
+    assert "preference tuning with strategy.fault_tolerance is not supported yet" in fault_tolerant
+
+
+def test_a_reference_that_does_not_fit_the_policy_is_refused_with_the_one_that_does(policy: Path) -> None:
+    assert "peft is off: set peft.enabled=true, or use preference.reference=copy or precomputed" in _refusal(
+        policy, "preference.reference=adapters_off"
+    )
+    assert "use preference.reference=adapters_off (the default with peft) or precomputed" in _refusal(
+        policy, "peft.enabled=true", "preference.reference=copy"
+    )
+    assert "preference.reference='precomputed' holds none: leave them at none" in _refusal(
+        policy, "preference.reference=precomputed", "preference.reference_quantize=nf4"
+    )
 
 
 def test_bad_pairs_are_named_by_file_and_line_all_at_once(policy: Path) -> None:

@@ -14,6 +14,7 @@ is cut), ``drop`` leaves the pair out, ``error`` refuses it before launch."""
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
@@ -166,13 +167,14 @@ def _cut(example: Example, seq_len: int) -> Example:
 
 
 def pair_rows(pairs: List[Pair], seq_len: int, pad: int) -> Dict[str, Tensor]:
-    """The pairs as ``[pairs, 2, seq_len]`` ids, unshifted labels and positions, chosen first."""
+    """The pairs as ``[pairs, 2, seq_len]`` ids, unshifted labels and positions, chosen first, and each pair's index."""
     examples = [example for pair in pairs for example in (pair.chosen, pair.rejected)]
     rows = padded_rows(examples, seq_len, pad)
     return {
         "input_ids": rows.input_ids.reshape(len(pairs), 2, seq_len),
         "labels": rows.labels.reshape(len(pairs), 2, seq_len),
         "position_ids": rows.position_ids.reshape(len(pairs), 2, seq_len),
+        "pair_index": torch.arange(len(pairs)),  # where a precomputed reference stored the pair's scores
     }
 
 

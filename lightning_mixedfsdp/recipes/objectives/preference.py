@@ -12,14 +12,21 @@ plus ``sft_weight`` times the chosen answer's per-token negative log-likelihood.
 micro-batch's pairs: every micro-batch holds as many, so Lightning's division by ``accumulate_grad_batches`` and
 FSDP's average over the ranks make it the mean over the step's pairs.
 
-The reference is the frozen copy of the starting weights (``preference.reference=copy``), a second child of the
-LightningModule held as distillation's teacher is (``frozen.py``): sharded at its storage dtype, no grads, no
-optimizer state, read from ``model.pretrained`` at every launch, left out of checkpoints and the export.
+The reference (``preference.reference``) is one of:
+
+- ``copy`` (the default without peft): the frozen copy of the starting weights, a second child of the LightningModule
+  held as distillation's teacher is (``frozen.py``): sharded at its storage dtype, no grads, no optimizer state, read
+  from ``model.pretrained`` at every launch, left out of checkpoints and the export;
+- ``adapters_off`` (the default with peft): the policy itself with its LoRA adapters disabled (peft's
+  ``disable_adapter``), which is the starting weights, since only the adapters train: no second model;
+- ``precomputed``: the policy's scores at its starting weights, of every pair, computed before training and stored
+  with the run (``precomputed_reference.py``): no reference model in training.
 
 Logged: each pair's rewards ``beta (pc - rc)`` and ``beta (pr - rr)``, their margin and accuracy (the chosen reward
 above the rejected one; a tie counts half), in training (``train_``) and on the held-out pairs (``val_``, with the
 held-out loss and how often the policy itself gives the chosen answer the higher log-probability)."""
 
+from pathlib import Path
 from typing import ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -42,12 +49,29 @@ from lightning_mixedfsdp.recipes.objectives.frozen import (
     storage_problems,
 )
 from lightning_mixedfsdp.recipes.objectives.objective import Objective, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.precomputed_reference import (
+    FILE,
+    looked_up,
+    pairs_digest,
+    read_stored,
+    score_pairs,
+    split_sizes,
+    store,
+)
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, PreferenceSection, Recipe
 
 REFERENCE = "reference"
 """The reference's attribute on the LightningModule."""
 LOSSES = ("sigmoid", "ipo")
-REFERENCES = ("copy",)
+COPY, ADAPTERS_OFF, PRECOMPUTED = "copy", "adapters_off", "precomputed"
+REFERENCES = (COPY, ADAPTERS_OFF, PRECOMPUTED)
+
+
+def reference_kind(settings: PreferenceSection, peft_enabled: bool) -> str:
+    """``preference.reference``, or its default: ``adapters_off`` with peft, ``copy`` without."""
+    if settings.reference is not None:
+        return settings.reference
+    return ADAPTERS_OFF if peft_enabled else COPY
 
 
 class PreferenceScores(NamedTuple):
@@ -112,12 +136,18 @@ class PreferenceTuning(Objective):
         max_steps: int,
         peft: Optional[PeftSection] = None,
         preference: Optional[PreferenceSection] = None,
+        run_folder: Optional[str] = None,
     ) -> None:
         super().__init__(model, lr, weight_decay, betas, warmup_steps, max_steps, peft)
         self.preference = preference or PreferenceSection()
+        self.reference_kind = reference_kind(self.preference, self.peft.enabled)
+        self.run_folder = run_folder
+        """Where a precomputed reference's scores are stored (None: nowhere, scored at every launch)."""
         self.reference: Optional[nn.Module] = None
-        if self.model is not None:  # a reference-model policy (an export of one): its copy is built here too
+        if self.model is not None and self.reference_kind == COPY:  # a reference-model policy: its copy too
             self.reference = frozen_model(self._starting_weights)
+        self.precomputed: Dict[str, Tensor] = {}
+        """A precomputed reference's scores: ``train`` and ``held_out``, ``[pairs, 2]`` (chosen, rejected)."""
         self.held_out = {name: MeanMetric() for name in ("loss", "reward_accuracy", "reward_margin", "prefers")}
         for name, metric in self.held_out.items():
             self.add_module(f"held_out_{name}", metric)
@@ -153,13 +183,16 @@ class PreferenceTuning(Objective):
     @classmethod
     def other_models(cls, recipe: Recipe) -> Dict[str, nn.Module]:
         assert recipe.model.pretrained is not None  # checked before launch
+        if reference_kind(recipe.preference, recipe.peft.enabled) != COPY:
+            return {}
         return {REFERENCE: frozen_model(recipe.model.pretrained)}
 
     @override
     @classmethod
     def strategy_needs(cls, recipe: Recipe, config: MixedFSDPConfig) -> None:
         settings = recipe.preference
-        if recipe.model.pretrained is not None:
+        copy = reference_kind(settings, recipe.peft.enabled) == COPY
+        if recipe.model.pretrained is not None and copy:
             frozen_model_needs(config, recipe.model.pretrained, settings.reference_quantize, settings.reference_offload)
 
     @override
@@ -175,6 +208,7 @@ class PreferenceTuning(Objective):
             recipe.trainer.max_steps,
             peft=recipe.peft,
             preference=recipe.preference,
+            run_folder=recipe.output.dir,
         )
 
     # -- the models
@@ -182,25 +216,70 @@ class PreferenceTuning(Objective):
     @override
     def configure_model(self) -> None:
         super().configure_model()
-        if self.reference is None:
+        if self.reference is None and self.reference_kind == COPY:
             self.reference = frozen_model(self._starting_weights)
 
     @override
     def on_fit_start(self) -> None:
         """The reference from the starting weights at every launch (checkpoints leave it out; Lightning restores a
-        checkpoint after this hook)."""
+        checkpoint after this hook): the copy's weights, or the precomputed scores."""
         super().on_fit_start()
-        assert self.reference is not None
-        load_full_weights(self.reference, self._starting_weights)
+        if self.reference_kind == COPY:
+            assert self.reference is not None
+            load_full_weights(self.reference, self._starting_weights)
+        elif self.reference_kind == PRECOMPUTED:
+            self.precomputed = self._precomputed_scores()
+
+    def _precomputed_scores(self) -> Dict[str, Tensor]:
+        """The scores stored with the run (rank 0's read, shared), or one pass of the policy at its starting
+        weights over every pair, then stored."""
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]
+        pair_sets = {"train": datamodule.train_set, "held_out": datamodule.val_set}
+        digest = pairs_digest(pair_sets, self._starting_weights)
+        stored = read_stored(self.run_folder, digest) if self.trainer.is_global_zero else None
+        stored = self.trainer.strategy.broadcast(stored)
+        if stored is not None:
+            rank_zero_info(f"preference: the reference's scores read from {Path(self.run_folder or '') / FILE}")
+            return stored
+        assert self.model is not None
+        if self.trainer.ckpt_path is not None:  # a resumed run's weights are restored after this hook
+            load_full_weights(self.model, self._starting_weights)
+        batch_size = datamodule.data.batch_size
+        scores = {
+            name: score_pairs(self._policy_scores, pairs, batch_size, self.device) for name, pairs in pair_sets.items()
+        }
+        path = store(self.run_folder, digest, scores) if self.trainer.is_global_zero else None
+        counts = ", ".join(f"{count} {name.replace('_', '-')}" for name, count in split_sizes(scores))
+        where = f", stored in {path}" if path is not None else ""
+        rank_zero_info(f"preference: the reference's scores of {counts} pairs computed before training{where}")
+        self.trainer.strategy.barrier()
+        return scores
+
+    def _policy_scores(self, ids: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+        assert self.model is not None
+        return answer_log_probs(self.model, ids, labels, positions)[0]
 
     # -- the loss
 
-    def scores(self, batch: Dict[str, Tensor]) -> PreferenceScores:
+    def reference_scores(self, batch: Dict[str, Tensor], split: str) -> Tensor:
+        """The reference's summed log-probabilities of the micro-batch's rows (:func:`pair_batch`'s order); ``split``
+        (``train`` or ``held_out``) says where a precomputed reference looks them up."""
         ids, labels, positions = pair_batch(batch)
-        assert self.model is not None and self.reference is not None  # configure_model built them
-        pairs = ids.shape[0] // 2
+        if self.reference_kind == PRECOMPUTED:
+            return looked_up(self.precomputed[split], batch["pair_index"])
         with torch.no_grad():
-            reference, _ = answer_log_probs(self.reference, ids, labels, positions)
+            if self.reference_kind == ADAPTERS_OFF:
+                assert self.model is not None
+                with self.model.disable_adapter():  # type: ignore[operator]  # a PeftModel (checked before launch)
+                    return answer_log_probs(self.model, ids, labels, positions)[0]
+            assert self.reference is not None  # configure_model built it
+            return answer_log_probs(self.reference, ids, labels, positions)[0]
+
+    def scores(self, batch: Dict[str, Tensor], split: str) -> PreferenceScores:
+        ids, labels, positions = pair_batch(batch)
+        assert self.model is not None  # configure_model built it
+        pairs = ids.shape[0] // 2
+        reference = self.reference_scores(batch, split)
         policy, tokens = answer_log_probs(self.model, ids, labels, positions)
         settings = self.preference
         return preference_scores(
@@ -214,7 +293,7 @@ class PreferenceTuning(Objective):
 
     @override
     def training_loss(self, batch: Dict[str, Tensor]) -> TrainingLoss:
-        scores = self.scores(batch)
+        scores = self.scores(batch, "train")
         margin = scores.chosen_reward - scores.rejected_reward
         self.log("train_rewards_chosen", scores.chosen_reward.mean())
         self.log("train_rewards_rejected", scores.rejected_reward.mean())
@@ -227,7 +306,7 @@ class PreferenceTuning(Objective):
 
     @override
     def evaluate(self, batch: Dict[str, Tensor]) -> None:
-        scores = self.scores(batch)
+        scores = self.scores(batch, "held_out")
         margin = scores.chosen_reward - scores.rejected_reward
         for name, values in (
             ("loss", scores.loss),
@@ -280,10 +359,23 @@ def preference_tuning_problems(recipe: Recipe) -> List[str]:
             "preference tuning compares the policy with a frozen copy of its starting weights: set model.pretrained"
             " to the model to tune (an SFT run's export, or a save_pretrained() directory)"
         )
-    if settings.reference not in REFERENCES:
+    kind = reference_kind(settings, recipe.peft.enabled)
+    if kind not in REFERENCES:
+        problems.append(f"preference.reference={kind!r}: use one of {', '.join(REFERENCES)}")
+    if kind == ADAPTERS_OFF and not recipe.peft.enabled:
         problems.append(
-            f"preference.reference={settings.reference!r} is not supported yet (adapters_off and precomputed are"
-            " not built); use copy"
+            "preference.reference=adapters_off is the policy's base with its LoRA adapters disabled, and peft is off:"
+            " set peft.enabled=true, or use preference.reference=copy or precomputed"
+        )
+    if kind == COPY and recipe.peft.enabled:
+        problems.append(
+            "preference.reference=copy with peft.enabled=true would hold a second copy of the frozen base the"
+            " adapters sit on: use preference.reference=adapters_off (the default with peft) or precomputed"
+        )
+    if kind != COPY and (settings.reference_quantize, settings.reference_offload) != ("none", "none"):
+        problems.append(
+            f"preference.reference_quantize and reference_offload set how a copied reference is held, and"
+            f" preference.reference={kind!r} holds none: leave them at none, or use preference.reference=copy"
         )
     problems += storage_problems("preference.reference_", settings.reference_quantize, settings.reference_offload)
     if settings.loss not in LOSSES:
@@ -297,11 +389,6 @@ def preference_tuning_problems(recipe: Recipe) -> List[str]:
         problems.append(
             f"preference tuning with strategy.parallelism.context_parallel_size={context} is not supported yet; set"
             " it to 1"
-        )
-    if recipe.peft.enabled:
-        problems.append(
-            "preference tuning with peft.enabled=true is not supported yet (the adapters-off reference is not"
-            " built); tune the whole model, or set peft.enabled=false"
         )
     if recipe.strategy.fault_tolerance is not None:
         problems.append(

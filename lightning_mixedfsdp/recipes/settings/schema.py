@@ -181,14 +181,17 @@ class DistillSection:
 
 @dataclass
 class PreferenceSection:
-    reference: str = "copy"
-    """The reference model the policy's log-probabilities are compared with: ``copy``, a frozen copy of the
-    starting weights (``model.pretrained``), sharded at its storage dtype beside the policy and left out of
-    checkpoints and exports."""
+    reference: Optional[str] = None
+    """What the policy's log-probabilities are compared with: ``copy``, a frozen copy of the starting weights
+    (``model.pretrained``), sharded at its storage dtype beside the policy and left out of checkpoints and exports;
+    ``adapters_off`` (with peft), the policy's own base with its adapters disabled, no second model;
+    ``precomputed``, the starting weights' scores of every pair, computed in one pass before training and stored in
+    the run folder (``reference_log_probs.pt``), no reference model in training. Unset: ``adapters_off`` with peft,
+    ``copy`` without."""
     reference_quantize: str = "none"
-    """``nf4``: the reference's Linear weights in 4 bits; ``none``: at the storage dtype."""
+    """``nf4``: the ``copy`` reference's Linear weights in 4 bits; ``none``: at the storage dtype."""
     reference_offload: str = "none"
-    """``cpu``: the reference's shards in host memory between its forwards; ``none``: on the device."""
+    """``cpu``: the ``copy`` reference's shards in host memory between its forwards; ``none``: on the device."""
     loss: str = "sigmoid"
     """``sigmoid`` (DPO: ``-log sigmoid(beta x margin)`` of the summed log-probability ratios) or ``ipo`` (IPO:
     ``(margin - 1 / (2 beta))**2`` of the per-token mean log-probability ratios)."""
