@@ -53,6 +53,7 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
             seen.setdefault("losses", []).append(outputs["loss"].item())  # this rank's micro-batch
 
         def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+            seen["trained"] = [name for name, p in module.model.named_parameters() if p.requires_grad]
             optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
             teacher = dict(module.teacher.named_parameters())
             seen["teacher"] = {
@@ -119,6 +120,9 @@ def _two_ranks(rank: int, world_size: int, teacher: str, wide_teacher: str, fold
     _fit(
         [*overrides(Path(teacher), resumed, BATCH, world_size), *checkpointed], straight / "checkpoints" / "step=2.ckpt"
     )
+    # a LoRA student: adapters on its attention and MLP, the rest frozen beside the frozen teacher
+    lora = overrides(Path(teacher), Path(folder) / "lora", BATCH, world_size, steps=3)
+    seen["lora"] = _fit([*lora, "peft.enabled=true", "peft.target_modules=[q_proj,v_proj,down_proj]"])
     # the first step's loss, bf16-true: the teacher's Linear weights in bf16 or NF4, or its shards on the host
     for variant, setting in (
         ("none", "teacher.quantize=none"),
@@ -198,6 +202,17 @@ def test_the_teacher_is_sharded_frozen_and_outside_the_optimizer(runs: Dict[str,
         assert embedding["placement"] == "(Shard(dim=0),)" and embedding["local_rows"] == TEACHER_VOCAB // 2
         # the loss reads the teacher's gathered output weight (no copy) until its backward, then it is resharded
         assert rank["teacher_head_after_backward"] == ["DTensor"] * STEPS
+
+
+def test_a_lora_student_trains_its_adapters_alone_on_the_losss_formula(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        lora = rank["lora"]
+        # the trained loss is its formula's on the whole logits of the LoRA student (its base built from config)
+        assert lora["first_loss"] == pytest.approx(lora["first_loss_by_formula"], rel=1e-6)
+        assert lora["trained"] and all(".lora_" in name for name in lora["trained"])
+        assert lora["teacher_head_after_backward"] == ["DTensor"] * 3
+        assert lora["losses"][-1] != pytest.approx(lora["losses"][0], rel=1e-3)
+    assert (runs["folder"] / "lora" / "adapter").is_dir()
 
 
 def test_checkpoints_and_exports_hold_the_student_alone(runs: Dict[str, Any]) -> None:
@@ -283,7 +298,6 @@ def test_bad_distillation_settings_are_refused_all_at_once(teacher: Path) -> Non
 def test_compositions_not_yet_tested_are_refused_with_the_reason(teacher: Path) -> None:
     message = _refusal(teacher, "strategy.parallelism.context_parallel_size=2")
     assert "distillation with strategy.parallelism.context_parallel_size=2 is not supported yet" in message
-    assert "distillation with peft.enabled=true is not supported yet" in _refusal(teacher, "peft.enabled=true")
     fault_tolerant = _refusal(
         teacher, "strategy.fault_tolerance.num_replica_groups=2", "strategy.fault_tolerance.replica_id=0"
     )

@@ -209,10 +209,11 @@ class Distillation(ChatLM):
 
     @override
     def on_after_backward(self) -> None:
-        """The loss's backward has remade its chunks from the teacher's output weight: its unit reshards now."""
+        """The loss's backward has remade its chunks from both output weights: their units reshard now."""
         super().on_after_backward()
-        assert self.teacher is not None
+        assert self.model is not None and self.teacher is not None
         release_output_unit(self.teacher)
+        release_output_unit(self.model)
 
     # -- what is evaluated
 
@@ -271,11 +272,6 @@ def distillation_problems(recipe: Recipe) -> List[str]:
         problems.append(
             "distillation with strategy.fault_tolerance is not supported yet (a healing group would also need the"
             " teacher, which no heal transfers); remove strategy.fault_tolerance"
-        )
-    if recipe.peft.enabled:
-        problems.append(
-            "distillation with peft.enabled=true is not supported yet (the student's output projection under a"
-            " PEFT wrapper is untested); train the whole student, or set peft.enabled=false"
         )
     if teacher.pretrained is not None:
         problems += _teacher_problems(recipe, teacher.pretrained)
@@ -376,16 +372,15 @@ def hidden_and_output_weight(model: nn.Module, ids: Tensor, positions: Tensor, w
     """The hidden states ``model``'s output projection reads for ``ids``, and its weight; the projection itself makes
     no logits (its hook hands it an empty sequence).
 
-    The teacher (``who="teacher"``, run under ``no_grad``) would reshard its output projection's FSDP unit when its
-    forward ends; that unit stays gathered instead, so the loss reads the weight where it is, without a copy, until
-    :func:`release_output_unit` after the loss's backward (which remakes each chunk's logits from it). The student's
-    stays gathered until its backward as FSDP's root unit does, which then reduces the chunks' gradients with the
-    rest."""
+    FSDP would reshard the output projection's unit when the forward ends (the teacher's, run under ``no_grad``; a
+    LoRA student's, whose frozen head sits in a unit of its own); that unit stays gathered instead, so the loss reads
+    the weight where it is, without a copy, until :func:`release_output_unit` after the loss's backward (which
+    remakes each chunk's logits from it). A trained head is in the root unit, which FSDP keeps gathered until the
+    backward anyway, and which reduces the chunks' gradients with the rest."""
     head = output_projection(model)
-    if who == "teacher":
-        unit = _output_unit(model)
-        if unit is not None:
-            unit.set_reshard_after_forward(False, recurse=False)
+    unit = _output_unit(model)
+    if unit is not None:
+        unit.set_reshard_after_forward(False, recurse=False)
     seen: Dict[str, Tensor] = {}
 
     def take(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
