@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.data.text import TextCorpus, data_problems
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
-from lightning_mixedfsdp.recipes.objectives.objective import Objective, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss
 from lightning_mixedfsdp.recipes.objectives.registry import OBJECTIVES
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe
 
@@ -26,14 +26,10 @@ class SmoothedNextToken(Objective):
     def __init__(
         self,
         model: ModelSection,
-        lr: float,
-        weight_decay: float,
-        betas: List[float],
-        warmup_steps: int,
-        max_steps: int,
+        schedule: Schedule,
         peft: Optional[PeftSection] = None,
     ) -> None:
-        super().__init__(model, lr, weight_decay, betas, warmup_steps, max_steps, peft)
+        super().__init__(model, schedule, peft)
         self.accuracy = MeanMetric()
 
     @override

@@ -21,12 +21,11 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.data.chat import (
     IGNORE_INDEX,
-    ChatTemplateError,
     Example,
     chat_example,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.data.sft import MAX_LISTED, ExampleMaker, padded_rows, read_records
+from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, Splits, padded_rows, read_records, split_records
 from lightning_mixedfsdp.recipes.data.stdlib_chat import stdlib_preference_pairs
 from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus
 from lightning_mixedfsdp.recipes.settings.schema import DataSection
@@ -101,48 +100,18 @@ def _conversation_problem(prompt: Any, chosen: Any, rejected: Any) -> Optional[s
     return None
 
 
-@dataclass
-class PairSplits:
-    train: List[Pair]
-    held_out: List[Pair]
-    problems: List[str]
-    too_long: int = 0
-    dropped: int = 0
+PairSplits = Splits[Pair]
 
 
 def preference_pairs(data: DataSection, maker: ExampleMaker) -> PairSplits:
-    """Every record made a pair and fitted to ``seq_len``; every ``held_out_every``-th held out, starting with the
-    first; each split read until its token ids reach ``max_bytes``. Every bad record is a problem (the first
-    :data:`MAX_LISTED` listed, the rest counted)."""
-    splits = PairSplits([], [], [])
-    sizes, bad, template_failed = [0, 0], 0, False
-    for index, (where, record) in enumerate(preference_records(data)):
-        split = 1 if index % data.held_out_every == 0 else 0
-        if sizes[split] >= data.max_bytes:
-            if min(sizes) >= data.max_bytes:
-                break
-            continue
-        try:
-            if isinstance(record, Exception):
-                raise ValueError(f"is not JSON ({record}); fix the line")
-            pair = preference_pair(record, maker)
-        except ChatTemplateError as error:
-            if not template_failed:
-                splits.problems.append(f"data: {where}: {error}")
-            template_failed = True
-            continue
-        except ValueError as error:
-            bad += 1
-            if bad <= MAX_LISTED:
-                splits.problems.append(f"data: {where} {error}")
-            continue
-        fitted = _fit(pair, data.seq_len, data.too_long, splits)
-        if fitted is not None:
-            (splits.held_out if split else splits.train).append(fitted)
-            sizes[split] += len(fitted.chosen.ids) + len(fitted.rejected.ids)
-    if bad > MAX_LISTED:
-        splits.problems.append(f"data: {bad - MAX_LISTED} more bad records like these")
-    return splits
+    """Every record made a pair (see :func:`split_records`)."""
+    return split_records(
+        data,
+        preference_records(data),
+        lambda record: preference_pair(record, maker),
+        lambda pair, splits: _fit(pair, data.seq_len, data.too_long, splits),
+        lambda pair: len(pair.chosen.ids) + len(pair.rejected.ids),
+    )
 
 
 def _fit(pair: Pair, seq_len: int, too_long: str, splits: PairSplits) -> Optional[Pair]:

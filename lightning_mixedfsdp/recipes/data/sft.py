@@ -16,7 +16,7 @@ that count, scaled back for Lightning's division by ``accumulate_grad_batches`` 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -126,33 +126,47 @@ def template_text(value: Optional[str]) -> Optional[str]:
     return value
 
 
-@dataclass
-class ExampleSplits:
-    """The examples of both splits, and what was found on the way."""
+Item = TypeVar("Item")
 
-    train: List[Example]
-    held_out: List[Example]
+
+@dataclass
+class Splits(Generic[Item]):
+    """The items (examples, pairs) of both splits, and what was found on the way."""
+
+    train: List[Item]
+    held_out: List[Item]
     problems: List[str]
     too_long: int = 0
-    """Examples longer than ``seq_len`` (truncated, dropped or refused by ``data.too_long``)."""
+    """Items longer than ``seq_len`` (truncated, dropped or refused by ``data.too_long``)."""
     dropped: int = 0
-    """Examples left out: too long under ``drop``, or with no trained token left after truncation."""
+    """Items left out: too long under ``drop``, or with no trained token left after truncation."""
 
 
-def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplits:
-    """Every record made an example and fitted to ``seq_len`` (``data.too_long``); every ``held_out_every``-th held
-    out, starting with the first; each split read until it holds ``max_bytes`` of token ids. Every bad record is a
-    problem (the first :data:`MAX_LISTED` listed, the rest counted)."""
-    splits = ExampleSplits([], [], [])
+ExampleSplits = Splits[Example]
+
+
+def split_records(
+    data: DataSection,
+    records: Iterator[Tuple[str, Any]],
+    make: Callable[[Any], Item],
+    fit: Callable[[Item, "Splits[Item]"], Optional[Item]],
+    size: Callable[[Item], int],
+) -> "Splits[Item]":
+    """Every record made an item (``make``) and fitted to ``seq_len`` (``fit``, by ``data.too_long``); every
+    ``held_out_every``-th held out, starting with the first; each split read until it holds ``max_bytes`` of token
+    ids (``size``). Every bad record is a problem (the first :data:`MAX_LISTED` listed, the rest counted)."""
+    splits: Splits[Item] = Splits([], [], [])
     sizes, bad, template_failed = [0, 0], 0, False
-    for index, (where, record) in enumerate(read_records(data, maker.format)):
+    for index, (where, record) in enumerate(records):
         split = 1 if index % data.held_out_every == 0 else 0
         if sizes[split] >= data.max_bytes:
             if min(sizes) >= data.max_bytes:
                 break
             continue
         try:
-            example = maker(record)
+            if isinstance(record, Exception):
+                raise ValueError(f"is not JSON ({record}); fix the line")
+            item = make(record)
         except ChatTemplateError as error:  # the template's: said once, the other records still checked
             if not template_failed:
                 splits.problems.append(f"data: {where}: {error}")
@@ -163,13 +177,24 @@ def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplit
             if bad <= MAX_LISTED:
                 splits.problems.append(f"data: {where} {error}")
             continue
-        fitted = _fit(example, data.seq_len, data.too_long, splits)
+        fitted = fit(item, splits)
         if fitted is not None:
             (splits.held_out if split else splits.train).append(fitted)
-            sizes[split] += len(fitted.ids)
+            sizes[split] += size(fitted)
     if bad > MAX_LISTED:
         splits.problems.append(f"data: {bad - MAX_LISTED} more bad records like these")
     return splits
+
+
+def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplits:
+    """Every record made an example (see :func:`split_records`)."""
+    return split_records(
+        data,
+        read_records(data, maker.format),
+        maker,
+        lambda example, splits: _fit(example, data.seq_len, data.too_long, splits),
+        lambda example: len(example.ids),
+    )
 
 
 def _fit(example: Example, seq_len: int, too_long: str, splits: ExampleSplits) -> Optional[Example]:

@@ -34,13 +34,14 @@ from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.objectives.divergences import DIVERGENCES, distillation_sums
 from lightning_mixedfsdp.recipes.objectives.frozen import (
+    composition_problems,
     frozen_model,
     frozen_model_needs,
     leave_out_of_checkpoints,
     storage_problems,
 )
 from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
-from lightning_mixedfsdp.recipes.objectives.objective import TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import Schedule, TrainingLoss
 from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
 from lightning_mixedfsdp.recipes.settings.inputs import (
     hf_config_fields,
@@ -72,17 +73,13 @@ class Distillation(ChatLM):
     def __init__(
         self,
         model: ModelSection,
-        lr: float,
-        weight_decay: float,
-        betas: List[float],
-        warmup_steps: int,
-        max_steps: int,
+        schedule: Schedule,
         peft: Optional[PeftSection] = None,
         teacher: Optional[TeacherSection] = None,
         distill: Optional[DistillSection] = None,
         vocab: int = 256,
     ) -> None:
-        super().__init__(model, lr, weight_decay, betas, warmup_steps, max_steps, peft)
+        super().__init__(model, schedule, peft)
         self.teacher_section, self.distill = teacher or TeacherSection(), distill or DistillSection()
         self.vocab = vocab
         """The tokenizer's tokens: the rows of both output projections the divergence compares."""
@@ -138,20 +135,9 @@ class Distillation(ChatLM):
 
     @override
     @classmethod
-    def from_recipe(cls, recipe: Recipe) -> "Distillation":
-        optim = recipe.optimizer
-        return cls(
-            recipe.model,
-            optim.lr,
-            optim.weight_decay,
-            list(optim.betas),
-            optim.warmup_steps,
-            recipe.trainer.max_steps,
-            peft=recipe.peft,
-            teacher=recipe.teacher,
-            distill=recipe.distill,
-            vocab=tokenizer_vocab_size(recipe.data.tokenizer, recipe.data.trust_remote_code),
-        )
+    def recipe_settings(cls, recipe: Recipe) -> Dict[str, Any]:
+        vocab = tokenizer_vocab_size(recipe.data.tokenizer, recipe.data.trust_remote_code)
+        return {"teacher": recipe.teacher, "distill": recipe.distill, "vocab": vocab}
 
     # -- the models
 
@@ -262,17 +248,13 @@ def distillation_problems(recipe: Recipe) -> List[str]:
         problems.append(f"distill.weight={distill.weight} must be in [0, 1] (1: the divergence only, 0: labels only)")
     if distill.chunk_tokens < 1:
         problems.append(f"distill.chunk_tokens={distill.chunk_tokens} must be >= 1, e.g. 1024")
-    context = recipe.strategy.parallelism.context_parallel_size
-    if context != 1:
-        problems.append(
-            f"distillation with strategy.parallelism.context_parallel_size={context} is not supported yet (the"
-            " loss reads each model's hidden states whole); set it to 1"
-        )
-    if recipe.strategy.fault_tolerance is not None:
-        problems.append(
-            "distillation with strategy.fault_tolerance is not supported yet (a healing group would also need the"
-            " teacher, which no heal transfers); remove strategy.fault_tolerance"
-        )
+    strategy = recipe.strategy
+    problems += composition_problems(
+        "distillation",
+        strategy.parallelism.context_parallel_size,
+        strategy.fault_tolerance is not None,
+        "the loss reads each model's hidden states whole",
+    )
     if teacher.pretrained is not None:
         problems += _teacher_problems(recipe, teacher.pretrained)
     return problems

@@ -58,3 +58,20 @@ def storage_problems(section: str, quantize: str, offload: str) -> List[str]:
     if offload not in OFFLOAD:
         problems.append(f"{section}offload={offload!r}: use one of {', '.join(OFFLOAD)}")
     return problems
+
+
+def composition_problems(objective: str, context_parallel_size: int, fault_tolerant: bool, why: str) -> List[str]:
+    """The compositions a second model does not take yet: context parallelism and fault-tolerant replica groups
+    (``why``: what the objective would need; a heal transfers the trained model's state, not a frozen one)."""
+    problems = []
+    if context_parallel_size != 1:
+        problems.append(
+            f"{objective} with strategy.parallelism.context_parallel_size={context_parallel_size} is not supported"
+            f" yet ({why}); set it to 1"
+        )
+    if fault_tolerant:
+        problems.append(
+            f"{objective} with strategy.fault_tolerance is not supported yet (a healing group would also need the"
+            " frozen model, which no heal transfers); remove strategy.fault_tolerance"
+        )
+    return problems

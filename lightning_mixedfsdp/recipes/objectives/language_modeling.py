@@ -15,7 +15,7 @@ from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_
 from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.data.text import TextCorpus, data_problems
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
-from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, Schedule, TrainingLoss
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe
 
 
@@ -29,14 +29,10 @@ class CausalLM(Objective):
     def __init__(
         self,
         model: ModelSection,
-        lr: float,
-        weight_decay: float,
-        betas: List[float],
-        warmup_steps: int,
-        max_steps: int,
+        schedule: Schedule,
         peft: Optional[PeftSection] = None,
     ) -> None:
-        super().__init__(model, lr, weight_decay, betas, warmup_steps, max_steps, peft)
+        super().__init__(model, schedule, peft)
         self.held_out_perplexity = Perplexity(ignore_index=IGNORE_INDEX)
 
     @override

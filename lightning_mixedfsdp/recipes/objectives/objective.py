@@ -47,6 +47,22 @@ def build_model(model: ModelSection, peft: PeftSection) -> nn.Module:
     return build_hf_causal_lm(load_hf_config(model.hf_source()), peft.lora_arguments())
 
 
+class Schedule(NamedTuple):
+    """AdamW's settings and the learning rate's plan: linear warm-up, then cosine decay to 10 % at ``max_steps``."""
+
+    lr: float
+    weight_decay: float
+    betas: Tuple[float, float]
+    warmup_steps: int
+    max_steps: int
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "Schedule":
+        optim = recipe.optimizer
+        betas = (optim.betas[0], optim.betas[1])
+        return cls(optim.lr, optim.weight_decay, betas, optim.warmup_steps, recipe.trainer.max_steps)
+
+
 class TrainingLoss(NamedTuple):
     loss: Tensor
     """What backward runs on: normalised so that the step's gradient is the objective's (over micro-batches and
@@ -63,22 +79,11 @@ class Objective(pl.LightningModule, ABC):
     evaluated: ClassVar[str]
     """What the held-out evaluation measures, as the console says it."""
 
-    def __init__(
-        self,
-        model: ModelSection,
-        lr: float,
-        weight_decay: float,
-        betas: List[float],
-        warmup_steps: int,
-        max_steps: int,
-        peft: Optional[PeftSection] = None,
-    ) -> None:
+    def __init__(self, model: ModelSection, schedule: Schedule, peft: Optional[PeftSection] = None) -> None:
         super().__init__()
-        self.model_section, self.peft = model, peft or PeftSection()
+        self.model_section, self.schedule, self.peft = model, schedule, peft or PeftSection()
         # the reference model (or its export) is built here; an HF model in configure_model, on the meta device
         self.model: Optional[nn.Module] = build_model(model, self.peft) if reference_model_config(model) else None
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, (betas[0], betas[1])
-        self.warmup_steps, self.max_steps = warmup_steps, max_steps
         self.evaluations: Dict[str, float] = {}
         """The held-out evaluations of this launch: ``untrained`` (the sanity check), ``step N``."""
 
@@ -118,16 +123,12 @@ class Objective(pl.LightningModule, ABC):
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> "Objective":
-        optim = recipe.optimizer
-        return cls(
-            recipe.model,
-            optim.lr,
-            optim.weight_decay,
-            list(optim.betas),
-            optim.warmup_steps,
-            recipe.trainer.max_steps,
-            peft=recipe.peft,
-        )
+        return cls(recipe.model, Schedule.of(recipe), recipe.peft, **cls.recipe_settings(recipe))
+
+    @classmethod
+    def recipe_settings(cls, recipe: Recipe) -> Dict[str, Any]:
+        """What else this objective's constructor takes from the recipe, by keyword (its own sections)."""
+        return {}
 
     # -- the loss and its normalisation
 
@@ -174,10 +175,11 @@ class Objective(pl.LightningModule, ABC):
         scheduler hold the old run's rates; set them from the plan."""
         optimizer = self.trainer.optimizers[0]
         scheduler = self.trainer.lr_scheduler_configs[0].scheduler
-        factor = warmup_cosine(self.global_step, self.warmup_steps, self.max_steps)
-        scheduler.base_lrs = [self.lr for _ in optimizer.param_groups]
+        plan = self.schedule
+        factor = warmup_cosine(self.global_step, plan.warmup_steps, plan.max_steps)
+        scheduler.base_lrs = [plan.lr for _ in optimizer.param_groups]
         for group in optimizer.param_groups:
-            group["lr"] = self.lr * factor
+            group["lr"] = plan.lr * factor
 
     @override
     def training_step(self, batch: Any, _: int) -> Tensor:
@@ -193,9 +195,10 @@ class Objective(pl.LightningModule, ABC):
     @override
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
-        optimizer = torch.optim.AdamW(trainable, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        plan = self.schedule
+        optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas)
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.warmup_steps, self.max_steps)
+            optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.max_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

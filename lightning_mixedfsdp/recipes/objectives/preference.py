@@ -27,7 +27,7 @@ above the rejected one; a tie counts half), in training (``train_``) and on the 
 held-out loss and how often the policy itself gives the chosen answer the higher log-probability)."""
 
 from pathlib import Path
-from typing import ClassVar, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +43,13 @@ from lightning_mixedfsdp.recipes.data.preference import PREFERENCE, PreferenceCo
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.objectives.frozen import (
+    composition_problems,
     frozen_model,
     frozen_model_needs,
     leave_out_of_checkpoints,
     storage_problems,
 )
-from lightning_mixedfsdp.recipes.objectives.objective import Objective, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss
 from lightning_mixedfsdp.recipes.objectives.precomputed_reference import (
     FILE,
     looked_up,
@@ -129,16 +130,12 @@ class PreferenceTuning(Objective):
     def __init__(
         self,
         model: ModelSection,
-        lr: float,
-        weight_decay: float,
-        betas: List[float],
-        warmup_steps: int,
-        max_steps: int,
+        schedule: Schedule,
         peft: Optional[PeftSection] = None,
         preference: Optional[PreferenceSection] = None,
         run_folder: Optional[str] = None,
     ) -> None:
-        super().__init__(model, lr, weight_decay, betas, warmup_steps, max_steps, peft)
+        super().__init__(model, schedule, peft)
         self.preference = preference or PreferenceSection()
         self.reference_kind = reference_kind(self.preference, self.peft.enabled)
         self.run_folder = run_folder
@@ -197,19 +194,8 @@ class PreferenceTuning(Objective):
 
     @override
     @classmethod
-    def from_recipe(cls, recipe: Recipe) -> "PreferenceTuning":
-        optim = recipe.optimizer
-        return cls(
-            recipe.model,
-            optim.lr,
-            optim.weight_decay,
-            list(optim.betas),
-            optim.warmup_steps,
-            recipe.trainer.max_steps,
-            peft=recipe.peft,
-            preference=recipe.preference,
-            run_folder=recipe.output.dir,
-        )
+    def recipe_settings(cls, recipe: Recipe) -> Dict[str, Any]:
+        return {"preference": recipe.preference, "run_folder": recipe.output.dir}
 
     # -- the models
 
@@ -384,15 +370,11 @@ def preference_tuning_problems(recipe: Recipe) -> List[str]:
         problems.append(f"preference.beta={settings.beta} must be > 0, e.g. 0.1")
     if settings.sft_weight < 0:
         problems.append(f"preference.sft_weight={settings.sft_weight} must be >= 0 (0: off)")
-    context = recipe.strategy.parallelism.context_parallel_size
-    if context != 1:
-        problems.append(
-            f"preference tuning with strategy.parallelism.context_parallel_size={context} is not supported yet; set"
-            " it to 1"
-        )
-    if recipe.strategy.fault_tolerance is not None:
-        problems.append(
-            "preference tuning with strategy.fault_tolerance is not supported yet (no heal transfers the reference);"
-            " remove strategy.fault_tolerance"
-        )
+    strategy = recipe.strategy
+    problems += composition_problems(
+        "preference tuning",
+        strategy.parallelism.context_parallel_size,
+        strategy.fault_tolerance is not None,
+        "an answer's log-probability would be summed over the ranks' parts",
+    )
     return problems
