@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike
 from lightning_mixedfsdp.checkpoint.gather import Region, full_regions
-from lightning_mixedfsdp.checkpoint.manifest import MANIFEST_KEY
+from lightning_mixedfsdp.checkpoint.manifest import BF16_UPDATES_KEY, MANIFEST_KEY
 from lightning_mixedfsdp.checkpoint.safetensors_stream import SafetensorsStream
 from lightning_mixedfsdp.checkpoint.staging import StagedFolder
 from lightning_mixedfsdp.compat.torchao import is_nf4
@@ -136,7 +136,8 @@ def export_model(
         manifest = {base: rule for name, rule in manifest.items() if (base := peft_base_name(name)) is not None}
 
     def write(folder: Optional[Path], agreement: Agreement) -> None:
-        layout.write(folder, chunk_bytes, agreement, {MANIFEST_KEY: json.dumps(manifest, sort_keys=True)})
+        metadata = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True), BF16_UPDATES_KEY: plan.bf16_updates}
+        layout.write(folder, chunk_bytes, agreement, metadata)
 
     written = _staged(Path(directory), "export_safetensors", write, finish)
     return written if dist.get_rank() == 0 else None

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 MANIFEST_KEY = "mixed_fsdp2_keep_fp32"
+BF16_UPDATES_KEY = "mixed_fsdp2_bf16_updates"
+"""How the trained bf16 params' updates were written back (``dtypes.bf16_updates``), in each export's metadata; a
+checkpoint's optimizer param groups hold it under ``bf16_updates``."""
 
 
 def manifest_differences(saved: Dict[str, str], current: Dict[str, str], limit: int = 6) -> List[str]:

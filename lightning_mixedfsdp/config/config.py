@@ -5,6 +5,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
+import torch
+
 import lightning_mixedfsdp.config.groups as groups
 from lightning_mixedfsdp.config.groups import (
     Buffers,
@@ -18,7 +20,7 @@ from lightning_mixedfsdp.config.groups import (
     Weights,
 )
 from lightning_mixedfsdp.config.options import MixedFSDPConfigError, OptionGroup
-from lightning_mixedfsdp.config.precision import BulkDtypes, check_precision, resolve_bulk_dtypes
+from lightning_mixedfsdp.config.precision import BulkDtypes, check_precision, precision_problem, resolve_bulk_dtypes
 
 OPTIONAL_GROUPS = ("fault_tolerance",)
 """Groups that are ``None`` unless set (the feature is off)."""
@@ -113,6 +115,20 @@ class MixedFSDPConfig:
         the one place flags are validated and dtypes resolved."""
         dtypes = self.dtypes
         return resolve_bulk_dtypes(dtypes.storage, dtypes.compute, dtypes.reduce, check_precision(precision, owner))
+
+    def bf16_updates_problem(self, precision: str) -> Optional[str]:
+        """Why ``dtypes.bf16_updates`` has nothing to write under ``precision`` (the trained params keep fp32
+        masters), with the fix; None when it applies (or is ``"nearest"``)."""
+        method = self.dtypes.bf16_updates
+        if method == "nearest" or precision_problem(precision) is not None:
+            return None
+        if self.bulk_dtypes(precision).storage != torch.float32:
+            return None
+        return (
+            f"dtypes.bf16_updates={method!r} writes updates into params stored in bf16, and precision={precision!r}"
+            f" (dtypes.storage={self.dtypes.storage!r}) stores them in fp32, as masters: nothing to write. Train"
+            " with precision='bf16-true', or leave bf16_updates='nearest'."
+        )
 
     @classmethod
     def from_input(

@@ -29,6 +29,7 @@ DEFAULT_KEEP_FP32_PARAMS = (
 
 StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
 DtypeChoice = Literal["auto", "bf16", "fp32"]
+Bf16UpdateChoice = Literal["nearest", "stochastic", "kahan"]
 BufferSyncMode = Literal["none", "broadcast", "average"]
 NonfiniteCheck = Literal["raise", "device_assert"]
 QuantizeBase = Literal["nf4"]
@@ -54,6 +55,7 @@ class Dtypes(OptionGroup):
         "honor_hf_keep_in_fp32": "honor_hf_keep_in_fp32",
         "cast_buffers": "cast_buffers",
         "pin_frozen_modules": "pin_frozen_modules",
+        "bf16_updates": "bf16_updates",
     }
 
     storage: StorageChoice = "auto"
@@ -95,6 +97,14 @@ class Dtypes(OptionGroup):
     pin_frozen_modules: bool = True
     """Store and compute fully frozen submodules (e.g. a vision tower) in the compute dtype, their floating buffers
     included, so an fp32 buffer cannot promote bf16 activations back to fp32. Keep-fp32 params stay fp32."""
+
+    bf16_updates: Bf16UpdateChoice = "nearest"
+    """How an optimizer step's fp32 result is written into a trainable param stored in bf16 (``bf16-true``, no fp32
+    master): ``"nearest"`` rounds to nearest (updates under half the param's spacing are lost); ``"stochastic"``
+    rounds at random, up with the probability of the distance (the expected value is fp32's; 6 bytes of AdamW state
+    per element: a bf16 first and an fp32 second moment); ``"kahan"`` keeps each rounding's loss in a bf16 buffer
+    and adds it to the next update (8 bytes). ``torch.optim.AdamW``, ``Adam`` and ``SGD`` only; keep-fp32, frozen
+    and 4-bit params are untouched. Refused where the trained params have fp32 masters already."""
 
     def semantic_problems(self) -> List[str]:
         if self.storage == "bf16" and self.compute == "fp32":

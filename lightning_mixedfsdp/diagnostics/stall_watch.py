@@ -46,6 +46,8 @@ class StallWatch:
             f" not change in {self.patience} sampled steps in a row. Its |values| span {low:.3g} to {high:.3g} (mean"
             f" {share.mean_abs_value:.3g}), where {dtype} numbers are {share.spacing:.3g} apart, and the optimizer's"
             f" update is {update} per element: an update under half that spacing rounds away. Keep it in fp32:"
-            f" keep_fp32_params=[{self.named[share.name]!r}] (a recipe: strategy.dtypes.keep_fp32_params); when"
-            " many large weights stall, train with precision='bf16-mixed' (fp32 params, bf16 compute) instead."
+            f" keep_fp32_params=[{self.named[share.name]!r}] (a recipe: strategy.dtypes.keep_fp32_params); or keep"
+            " it bf16 and write its updates back without losing them: bf16_updates='stochastic' (no extra bytes) or"
+            " 'kahan' (2 bytes per element; a recipe: strategy.dtypes.bf16_updates); when many large weights stall,"
+            " train with precision='bf16-mixed' (fp32 params, bf16 compute) instead."
         )

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mixedfsdp.apply.bf16_updates import bf16_update_methods
 from lightning_mixedfsdp.model.tensors import local_tensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -67,15 +68,17 @@ class StalledUpdates:
         self.params: List[Tuple[str, nn.Parameter]] = []
         self._before: Optional[List[Optional[Tensor]]] = None
 
-    def before_step(self) -> None:
-        """Copy each param's local shard, NaN where its gradient is zero (or absent)."""
+    def before_step(self, optimizer: Optional[Optimizer] = None) -> None:
+        """Copy each param's local shard (under ``bf16_updates="kahan"``, in fp32 with its compensation added: the
+        value it stands for), NaN where its gradient is zero (or absent)."""
         self.params = [(n, p) for n, p in self.named_params() if p.requires_grad and p.dtype in LOW_PRECISION]
+        methods = bf16_update_methods(optimizer) if optimizer is not None else {}
         copies: List[Optional[Tensor]] = []
         for _, param in self.params:
             if param.grad is None:
                 copies.append(None)
                 continue
-            value, grad = local_tensor(param.detach()), local_tensor(param.grad)
+            value, grad = _measured(param, optimizer, methods), local_tensor(param.grad)
             copies.append(torch.where(grad != 0, value, torch.full_like(value, float("nan"))))
         self._before = copies
 
@@ -87,17 +90,24 @@ class StalledUpdates:
         """The shares of this step, the same on every rank (one all-reduce when a process group runs)."""
         assert self._before is not None, "after_step without before_step"
         counts = torch.zeros(len(self.params), FIELDS, dtype=torch.float64)
-        updates = _intended_updates(optimizer)
+        per_element = _intended_updates(optimizer)
+        methods = bf16_update_methods(optimizer)
         for index, ((_, param), before) in enumerate(zip(self.params, self._before, strict=True)):
             if before is None:
                 continue
             value = local_tensor(param.detach())
             eligible = ~torch.isnan(before)
             magnitude = value.abs().double()
-            update = updates.get(id(param))
+            intended = per_element.get(id(param))
+            update = intended.sum() if intended is not None else None
+            if methods.get(id(param)) == "stochastic" and intended is not None:
+                # rounded at random, an element moves by its update in expectation: stalled only if that is zero
+                unchanged = (eligible & (intended == 0)).sum().double()
+            else:
+                unchanged = (_measured(param, optimizer, methods) == before).sum().double()
             counts[index] = torch.stack(
                 [
-                    (value == before).sum().double(),
+                    unchanged,
                     eligible.sum().double(),
                     magnitude.sum(),
                     magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64),
@@ -143,9 +153,20 @@ def _summed(counts: Tensor, numel: Tensor) -> Tuple[Tensor, Tensor]:
     return counts, summed[:, 4]
 
 
+def _measured(param: Tensor, optimizer: Optional[Optimizer], methods: Dict[int, str]) -> Tensor:
+    """The local value a step moves: the param's, plus its compensation under ``bf16_updates="kahan"``."""
+    value = local_tensor(param.detach())
+    compensation = optimizer.state.get(param, {}).get("compensation") if optimizer is not None else None
+    if methods.get(id(param)) != "kahan":
+        return value
+    if not isinstance(compensation, Tensor):
+        return value.float()
+    return value.float() + local_tensor(compensation).float()
+
+
 def _intended_updates(optimizer: Optimizer) -> Dict[int, Tensor]:
-    """The summed intended ``|update|`` of each param's local elements, from the optimizer's state after its step:
-    Adam and AdamW (bias-corrected moments), SGD (``lr * |grad|``, momentum's buffer when it has one)."""
+    """The intended ``|update|`` of each param's local elements, from the optimizer's state after its step: Adam and
+    AdamW (bias-corrected moments), SGD (``lr * |grad|``, momentum's buffer when it has one)."""
     updates: Dict[int, Tensor] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -156,9 +177,9 @@ def _intended_updates(optimizer: Optimizer) -> Dict[int, Tensor]:
                 beta1, beta2 = group["betas"]
                 m_hat = local_tensor(state["exp_avg"]).double() / (1 - beta1**step)
                 v_hat = local_tensor(state["exp_avg_sq"]).double() / (1 - beta2**step)
-                updates[id(param)] = (lr * m_hat / (v_hat.sqrt() + group["eps"])).abs().sum()
+                updates[id(param)] = (lr * m_hat / (v_hat.sqrt() + group["eps"])).abs()
             elif "momentum_buffer" in state and state["momentum_buffer"] is not None:
-                updates[id(param)] = lr * local_tensor(state["momentum_buffer"]).double().abs().sum()
+                updates[id(param)] = lr * local_tensor(state["momentum_buffer"]).double().abs()
             elif param.grad is not None and isinstance(optimizer, torch.optim.SGD):
-                updates[id(param)] = lr * local_tensor(param.grad).double().abs().sum()
+                updates[id(param)] = lr * local_tensor(param.grad).double().abs()
     return updates

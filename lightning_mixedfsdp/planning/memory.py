@@ -1,13 +1,14 @@
 """Training-state bytes per rank, predicted from a plan: params, grads and AdamW states, sharded and replicated.
 
 FSDP2 shards each param's dim 0 over the shard ranks (``torch.chunk``: the first ranks hold ``ceil(rows / shards)``
-rows); replicated params are whole on every rank. Grads take the param's storage dtype and exist for trainable
-params only; AdamW keeps two states in the param's dtype. A 4-bit base weight takes its NF4 bytes (about 0.26x of
-bf16). With ``offload="cpu"`` the sharded params, grads and states are host bytes; replicated ones stay on the device.
-The all-gather working set is what FSDP2 holds unsharded at once: the largest unit's params gathered (in their
-compute dtype, a 4-bit weight in 4 bits) twice over (the unit computing and the next one prefetched), the root's
-params (gathered once per step), plus one 4-bit weight dequantized for its matmul. Activations depend on batch and
-sequence and are not included.
+rows); replicated params are whole on every rank. Grads take the param's storage dtype and exist for trainable params
+only; AdamW keeps two states in the param's dtype, except for a trainable bf16 param whose updates are written back
+stochastically or compensated (``bf16_updates``): :data:`ADAMW_BF16_STATE_BYTES` per element. A 4-bit base weight takes
+its NF4 bytes (about 0.26x of bf16). With ``offload="cpu"`` the sharded params, grads and states are host bytes;
+replicated ones stay on the device. The all-gather working set is what FSDP2 holds unsharded at once: the largest unit's
+params gathered (in their compute dtype, a 4-bit weight in 4 bits) twice over (the unit computing and the next one
+prefetched), the root's params (gathered once per step), plus one 4-bit weight dequantized for its matmul. Activations
+depend on batch and sequence and are not included.
 """
 
 import math
@@ -17,6 +18,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from lightning_mixedfsdp.planning.types import ROOT, ParamPlan, ShardPlan
+
+ADAMW_BF16_STATE_BYTES = {"nearest": 4, "stochastic": 6, "kahan": 8}
+"""AdamW's state bytes per element of a trainable bf16 param, by ``bf16_updates``: torch's two bf16 moments; a bf16
+first and an fp32 second moment; the same and a bf16 compensation (``apply/bf16_updates.py`` keeps them)."""
 
 STAGING_BYTES = 2**30
 """Per rank: the shards of 4-bit weights a load reads in their nominal dtype before quantizing them."""
@@ -67,7 +72,8 @@ def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int)
         params += local
         if param.requires_grad:
             grads += local
-            optimizer += 2 * local
+            bf16 = param.key.storage == torch.bfloat16 and not param.quantized
+            optimizer += local // 2 * ADAMW_BF16_STATE_BYTES[plan.bf16_updates] if bf16 else 2 * local
         if param.replicated:
             share = param.nbytes / data_parallel_ranks
             replicated += int((param.nbytes - share) * (4 if param.requires_grad else 1))

@@ -91,8 +91,7 @@ def plan_model(
     every dtype, where torch can; every param and buffer keeps the dtypes it has without. ``shard_ranks``: the ranks
     a sharded param is split over, which decides the frozen weights 4 bits can hold (``quantization.py``)."""
     options = options or PlanOptions()
-    if mixed_dtype_groups is None:
-        mixed_dtype_groups = fsdp_groups_can_mix_dtypes()
+    mixed_dtype_groups = fsdp_groups_can_mix_dtypes() if mixed_dtype_groups is None else mixed_dtype_groups
     index = ModuleIndex(model)
     matches = match_keep_fp32(model, KeepFp32Rules.of(options.dtypes), index)
     frozen = find_frozen_modules(model, index) if options.dtypes.pin_frozen_modules else []
@@ -128,6 +127,7 @@ def plan_model(
         not_quantized=not_quantized,
         offload=options.memory.offload,
         offload_frozen=options.memory.offload_frozen,
+        bf16_updates=options.dtypes.bf16_updates,
         float8_recipe=options.float8.recipe,
         float8=_float8_choices(model, index, options.float8, matches),
         float8_left_experts=fused_experts(index) if options.float8.recipe is not None else (),

@@ -5,7 +5,10 @@ import math
 import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import torch
+
 from lightning_mixedfsdp.config import short_dtype
+from lightning_mixedfsdp.planning.memory import ADAMW_BF16_STATE_BYTES
 from lightning_mixedfsdp.planning.types import ShardPlan
 
 _INDEX = re.compile(r"(?:(?<=\.)|^)\d+(?=[.\[:,\]]|$)")
@@ -100,6 +103,7 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
     summary += fault_tolerance_lines(plan)
     summary += context_parallel_lines(plan)
     summary += offload_lines(plan)
+    summary += bf16_update_lines(plan)
     lines = summary + [""] + format_table(header, param_rows)
     if buffer_rows:
         lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
@@ -191,6 +195,21 @@ def float8_lines(plan: ShardPlan) -> List[str]:
             f"  experts stay in the compute dtype: {', '.join(experts)} (fused 3-D expert weights, no nn.Linear)"
         )
     return lines
+
+
+def bf16_update_lines(plan: ShardPlan) -> List[str]:
+    """How the trainable bf16 params' updates are written back, and what that costs in AdamW state."""
+    if plan.bf16_updates == "nearest":
+        return []
+    trained = [p for p in plan.params.values() if p.requires_grad and p.key.storage == torch.bfloat16]
+    if not trained:
+        return []
+    per_element = ADAMW_BF16_STATE_BYTES[plan.bf16_updates]
+    what = "rounded stochastically" if plan.bf16_updates == "stochastic" else "compensated (a bf16 Kahan buffer)"
+    return [
+        f"bf16_updates {plan.bf16_updates}: the updates of {len(trained)} trainable bf16 params {what}; AdamW keeps"
+        f" {per_element} bytes per element (bf16 param: {2 + per_element} with it, fp32 masters: 12; nearest: 6)"
+    ]
 
 
 def offload_lines(plan: ShardPlan) -> List[str]:

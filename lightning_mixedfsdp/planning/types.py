@@ -145,6 +145,8 @@ class ShardPlan:
     """``"cpu"``: the sharded groups' params, grads and optimizer states live in host memory."""
     offload_frozen: Optional[str] = None
     """``"cpu"``: the sharded groups with no trainable param keep their params in host memory."""
+    bf16_updates: str = "nearest"
+    """How the optimizer's result is written into trainable bf16 params: ``nearest``, ``stochastic``, ``kahan``."""
     float8_recipe: Optional[str] = None
     """The float8 recipe (``"tensorwise"``, ``"rowwise"``), or None."""
     float8: Dict[str, Float8Choice] = field(default_factory=dict)

@@ -3,6 +3,7 @@
 the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``); the save, load and export sequences
 are ``checkpointing.py``'s, the work itself lives in the rooms below."""
 
+import os
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 from weakref import WeakSet
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_mixedfsdp.apply.bf16_updates import install_bf16_updates
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
@@ -179,11 +181,15 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         return self._sharded.add(sharded)
 
     def _watch_optimizer(self, optimizer: Optimizer) -> None:
-        """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the models'
-        buffers averaged (``buffers.sync="average"``), the float8 all-gather's scales computed (``float8``). An
-        optimizer that would compute each update from a shard of a matrix it needs whole is refused first."""
+        """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the bf16
+        params' updates written back by ``dtypes.bf16_updates``, the models' buffers averaged (``buffers.sync=
+        "average"``), the float8 all-gather's scales computed (``float8``). An optimizer that would compute each
+        update from a shard of a matrix it needs whole is refused first."""
         refuse_whole_matrix_optimizer(optimizer, type(self).__name__)
         if optimizer not in self._watched:
+            # the bf16 params' write-back first: the hooks after it see the step's params
+            method = self._config.dtypes.bf16_updates
+            install_bf16_updates(optimizer, method, _run_seed, type(self).__name__)
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
             self._optimizer_order.append(weakref.ref(optimizer))
@@ -195,3 +201,8 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model set up by this strategy)."""
         return self._sharded.plan_of(module)
+
+
+def _run_seed() -> int:
+    """The seed Lightning's ``seed_everything`` set (0 when none is)."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))

@@ -97,7 +97,11 @@ def adopt_precision(
             f"{owner} does not support the precision plugin {type(plugin).__name__} (precision={flag!r}). Pass a"
             " precision flag instead of a custom plugin."
         )
-    return plugin_class(flag, config.bulk_dtypes(str(flag), owner))  # type: ignore[arg-type]
+    bulk = config.bulk_dtypes(str(flag), owner)
+    problem = config.bf16_updates_problem(str(flag))
+    if problem is not None:
+        raise ValueError(f"{owner}: {problem}")
+    return plugin_class(flag, bulk)  # type: ignore[arg-type]
 
 
 def plugin_or_default(

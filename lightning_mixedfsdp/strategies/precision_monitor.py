@@ -107,7 +107,7 @@ class PrecisionMonitor(Callback):
             self.watch_model(model)
         assert self._measure is not None
         if self.sampled(step):
-            self._measure.before_step()
+            self._measure.before_step(optimizer)
         yield
         if self._measure.pending:
             self._take(self._measure.after_step(optimizer))
@@ -143,7 +143,7 @@ class PrecisionMonitor(Callback):
             optimizer.register_step_post_hook(self._after_trainer_step)
             self._hooked.add(optimizer)
         if self._measure is not None and self.sampled(trainer.global_step):
-            self._measure.before_step()
+            self._measure.before_step(optimizer)
 
     def _after_trainer_step(self, optimizer: Optimizer, *_: Any) -> None:
         if self._measure is None or not self._measure.pending:

@@ -111,6 +111,7 @@ FLAT_VALUES = {
     "honor_hf_keep_in_fp32": False,
     "cast_buffers": True,
     "pin_frozen_modules": False,
+    "bf16_updates": "kahan",
     "wrap_units": ["Block"],
     "reshard_after_forward": False,
     "replicate_below_bytes": 0,

@@ -95,18 +95,18 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_mixedfsdp.recipes.data.preference import pair_batch
-    from lightning_mixedfsdp.recipes.objectives import preference
+    from lightning_mixedfsdp.recipes.objectives import precomputed_reference
     from lightning_mixedfsdp.recipes.objectives.preference import answer_log_probs
     from lightning_mixedfsdp.recipes.run import runner
 
     seen: Dict[str, Any] = {"scoring_passes": 0}
-    score_pairs = preference.score_pairs
+    score_pairs = precomputed_reference.score_pairs
 
     def counted(*args: Any) -> Any:  # how often a precomputed reference scores the pairs
         seen["scoring_passes"] += 1
         return score_pairs(*args)
 
-    preference.score_pairs = counted  # type: ignore[assignment]  # this process's objective only
+    precomputed_reference.score_pairs = counted  # type: ignore[assignment]  # this process's objective only
 
     class Read(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, index: int) -> None:

@@ -10,9 +10,10 @@ scores (``[pairs, 2]`` summed log-probabilities, chosen then rejected: a few byt
 import hashlib
 import math
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import default_collate
 
@@ -59,27 +60,59 @@ def score_pairs(score: Scorer, pairs: PairSet, batch_size: int, device: torch.de
     return scores.cpu()
 
 
-def read_stored(folder: Optional[str], digest: str) -> Optional[Dict[str, Tensor]]:
-    """The scores stored in the run ``folder`` for these pairs and starting weights, or None."""
-    path = Path(folder) / FILE if folder is not None else None
-    if path is None or not path.is_file():
-        return None
-    stored = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(stored, dict) or stored.get("digest") != digest:
-        return None
-    return {name: tensor for name, tensor in stored["scores"].items()}
+class StoredScores(NamedTuple):
+    folder: Optional[str]
+    """The run folder the scores are stored in (None: nowhere)."""
+    starting_weights: str
+    """The folder the policy starts from: part of what the scores are keyed by."""
+
+    def read(self, digest: str) -> Optional[Dict[str, Tensor]]:
+        """The scores stored for these pairs and starting weights, or None."""
+        path = Path(self.folder) / FILE if self.folder is not None else None
+        if path is None or not path.is_file():
+            return None
+        stored = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(stored, dict) or stored.get("digest") != digest:
+            return None
+        return {name: tensor for name, tensor in stored["scores"].items()}
+
+    def write(self, digest: str, scores: Dict[str, Tensor]) -> Optional[Path]:
+        """Writes the scores (rank 0 calls it); the path, or None without a folder."""
+        if self.folder is None:
+            return None
+        path = Path(self.folder) / FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save({"digest": digest, "scores": scores}, partial)
+        partial.replace(path)  # a launch killed while writing leaves no half-written file under the name read back
+        return path
 
 
-def store(folder: Optional[str], digest: str, scores: Dict[str, Tensor]) -> Optional[Path]:
-    """Writes the scores into the run ``folder`` (rank 0 calls it); the path, or None without a folder."""
-    if folder is None:
-        return None
-    path = Path(folder) / FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    torch.save({"digest": digest, "scores": scores}, partial)
-    partial.replace(path)  # a launch killed while writing leaves no half-written file under the name read back
-    return path
+def stored_or_scored(
+    score: Scorer,
+    pair_sets: Dict[str, PairSet],
+    batch_size: int,
+    device: torch.device,
+    stored: StoredScores,
+    strategy: Any,
+    load_starting_weights: Optional[Callable[[], None]],
+) -> Dict[str, Tensor]:
+    """Every split's scores: read from the run folder (rank 0 reads, the Lightning ``strategy`` broadcasts), or
+    scored (after ``load_starting_weights``, for a resumed run whose own weights come later) and stored."""
+    digest = pairs_digest(pair_sets, stored.starting_weights)
+    found = strategy.broadcast(stored.read(digest) if strategy.is_global_zero else None)
+    if found is not None:
+        rank_zero_info(f"preference: the reference's scores read from {Path(stored.folder or '') / FILE}")
+        return found
+    if load_starting_weights is not None:
+        load_starting_weights()
+    scores = {name: score_pairs(score, pairs, batch_size, device) for name, pairs in pair_sets.items()}
+    path = stored.write(digest, scores) if strategy.is_global_zero else None
+    counts = ", ".join(f"{len(tensor)} {name.replace('_', '-')}" for name, tensor in scores.items())
+    where = f", stored in {path}" if path is not None else ""
+    rank_zero_info(f"preference: the reference's scores of {counts} pairs computed before training{where}")
+    strategy.barrier()
+    return scores
 
 
 def looked_up(scores: Tensor, pair_index: Tensor) -> Tensor:
@@ -87,8 +120,3 @@ def looked_up(scores: Tensor, pair_index: Tensor) -> Tensor:
     rejected."""
     picked = scores.to(pair_index.device)[pair_index]
     return torch.cat([picked[:, 0], picked[:, 1]])
-
-
-def split_sizes(scores: Dict[str, Tensor]) -> List[Tuple[str, int]]:
-    """Each split's pair count, for the console."""
-    return [(name, len(tensor)) for name, tensor in scores.items()]

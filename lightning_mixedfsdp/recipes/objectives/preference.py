@@ -26,7 +26,6 @@ Logged: each pair's rewards ``beta (pc - rc)`` and ``beta (pr - rr)``, their mar
 above the rejected one; a tie counts half), in training (``train_``) and on the held-out pairs (``val_``, with the
 held-out loss and how often the policy itself gives the chosen answer the higher log-probability)."""
 
-from pathlib import Path
 from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -50,15 +49,7 @@ from lightning_mixedfsdp.recipes.objectives.frozen import (
     storage_problems,
 )
 from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss
-from lightning_mixedfsdp.recipes.objectives.precomputed_reference import (
-    FILE,
-    looked_up,
-    pairs_digest,
-    read_stored,
-    score_pairs,
-    split_sizes,
-    store,
-)
+from lightning_mixedfsdp.recipes.objectives.precomputed_reference import StoredScores, looked_up, stored_or_scored
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, PreferenceSection, Recipe
 
 REFERENCE = "reference"
@@ -122,7 +113,8 @@ def answer_log_probs(model: nn.Module, ids: Tensor, labels: Tensor, positions: T
 
 
 class PreferenceTuning(Objective):
-    """The policy (``model``) and its frozen reference (``reference``); see the module's docstring."""
+    """The policy (``model``) and its reference (see the module's docstring); ``run_folder``: where a precomputed
+    reference's scores are stored (None: nowhere, scored at every launch)."""
 
     formats: ClassVar[Tuple[str, ...]] = (PREFERENCE,)
     evaluated = "held-out reward accuracy"
@@ -139,24 +131,21 @@ class PreferenceTuning(Objective):
         self.preference = preference or PreferenceSection()
         self.reference_kind = reference_kind(self.preference, self.peft.enabled)
         self.run_folder = run_folder
-        """Where a precomputed reference's scores are stored (None: nowhere, scored at every launch)."""
         self.reference: Optional[nn.Module] = None
         if self.model is not None and self.reference_kind == COPY:  # a reference-model policy: its copy too
             self.reference = frozen_model(self._starting_weights)
         self.precomputed: Dict[str, Tensor] = {}
         """A precomputed reference's scores: ``train`` and ``held_out``, ``[pairs, 2]`` (chosen, rejected)."""
         self.held_out = {name: MeanMetric() for name in ("loss", "reward_accuracy", "reward_margin", "prefers")}
-        for name, metric in self.held_out.items():
-            self.add_module(f"held_out_{name}", metric)
+        self.add_module("held_out_metrics", nn.ModuleDict(self.held_out))  # moved to the device with the module
         self.preference_rates: Dict[str, float] = {}
         """How often the policy prefers the chosen answer on the held-out pairs: ``untrained``, ``step N``."""
         leave_out_of_checkpoints(self, REFERENCE)
 
     @property
     def _starting_weights(self) -> str:
-        folder = self.model_section.pretrained
-        assert folder is not None  # checked before launch
-        return folder
+        assert self.model_section.pretrained is not None  # checked before launch
+        return self.model_section.pretrained
 
     # -- what a batch holds
 
@@ -214,36 +203,18 @@ class PreferenceTuning(Objective):
             assert self.reference is not None
             load_full_weights(self.reference, self._starting_weights)
         elif self.reference_kind == PRECOMPUTED:
-            self.precomputed = self._precomputed_scores()
-
-    def _precomputed_scores(self) -> Dict[str, Tensor]:
-        """The scores stored with the run (rank 0's read, shared), or one pass of the policy at its starting
-        weights over every pair, then stored."""
-        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]
-        pair_sets = {"train": datamodule.train_set, "held_out": datamodule.val_set}
-        digest = pairs_digest(pair_sets, self._starting_weights)
-        stored = read_stored(self.run_folder, digest) if self.trainer.is_global_zero else None
-        stored = self.trainer.strategy.broadcast(stored)
-        if stored is not None:
-            rank_zero_info(f"preference: the reference's scores read from {Path(self.run_folder or '') / FILE}")
-            return stored
-        assert self.model is not None
-        if self.trainer.ckpt_path is not None:  # a resumed run's weights are restored after this hook
-            load_full_weights(self.model, self._starting_weights)
-        batch_size = datamodule.data.batch_size
-        scores = {
-            name: score_pairs(self._policy_scores, pairs, batch_size, self.device) for name, pairs in pair_sets.items()
-        }
-        path = store(self.run_folder, digest, scores) if self.trainer.is_global_zero else None
-        counts = ", ".join(f"{count} {name.replace('_', '-')}" for name, count in split_sizes(scores))
-        where = f", stored in {path}" if path is not None else ""
-        rank_zero_info(f"preference: the reference's scores of {counts} pairs computed before training{where}")
-        self.trainer.strategy.barrier()
-        return scores
-
-    def _policy_scores(self, ids: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
-        assert self.model is not None
-        return answer_log_probs(self.model, ids, labels, positions)[0]
+            assert self.model is not None
+            model, datamodule, folder = self.model, self.trainer.datamodule, self._starting_weights  # type: ignore[attr-defined]
+            resumed = self.trainer.ckpt_path is not None  # its own weights are restored after this hook
+            self.precomputed = stored_or_scored(
+                lambda ids, labels, positions: answer_log_probs(model, ids, labels, positions)[0],
+                {"train": datamodule.train_set, "held_out": datamodule.val_set},
+                datamodule.data.batch_size,
+                self.device,
+                StoredScores(self.run_folder, folder),
+                self.trainer.strategy,
+                (lambda: load_full_weights(model, folder)) if resumed else None,
+            )
 
     # -- the loss
 
@@ -262,20 +233,14 @@ class PreferenceTuning(Objective):
             return answer_log_probs(self.reference, ids, labels, positions)[0]
 
     def scores(self, batch: Dict[str, Tensor], split: str) -> PreferenceScores:
-        ids, labels, positions = pair_batch(batch)
         assert self.model is not None  # configure_model built it
-        pairs = ids.shape[0] // 2
         reference = self.reference_scores(batch, split)
-        policy, tokens = answer_log_probs(self.model, ids, labels, positions)
-        settings = self.preference
-        return preference_scores(
-            (policy[:pairs], policy[pairs:]),
-            (reference[:pairs], reference[pairs:]),
-            (tokens[:pairs], tokens[pairs:]),
-            settings.loss,
-            settings.beta,
-            settings.sft_weight,
+        policy, tokens = answer_log_probs(self.model, *pair_batch(batch))
+        mine, theirs, counts = (
+            (rows[: len(rows) // 2], rows[len(rows) // 2 :]) for rows in (policy, reference, tokens)
         )
+        settings = self.preference
+        return preference_scores(mine, theirs, counts, settings.loss, settings.beta, settings.sft_weight)
 
     @override
     def training_loss(self, batch: Dict[str, Tensor]) -> TrainingLoss:
@@ -304,9 +269,7 @@ class PreferenceTuning(Objective):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        values = {name: metric.compute().item() for name, metric in self.held_out.items()}
-        for metric in self.held_out.values():
-            metric.reset()
+        values = {name: _computed_and_reset(metric) for name, metric in self.held_out.items()}
         when = "untrained" if self.trainer.sanity_checking else f"step {self.global_step}"
         self.evaluations[when] = values["reward_accuracy"]
         self.preference_rates[when] = values["prefers"]
@@ -329,6 +292,12 @@ class PreferenceTuning(Objective):
         first = f"{untrained:.3f} before" if untrained is not None else "not evaluated before"
         finish = f"{trained:.3f}" if trained is not None else "not evaluated"
         return f"{cls.evaluated}: {first} -> {finish} after {steps} steps"
+
+
+def _computed_and_reset(metric: MeanMetric) -> float:
+    value = metric.compute().item()
+    metric.reset()
+    return value
 
 
 def _accuracy(margin: Tensor) -> Tensor:

@@ -161,6 +161,12 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="4-bit frozen base (QLoRA)")
     parser.add_argument("--offload", choices=["cpu"], default=None, help="sharded state in host memory")
     parser.add_argument(
+        "--bf16-updates",
+        choices=["nearest", "stochastic", "kahan"],
+        default=None,
+        help="how bf16 params' updates are written back (bf16-true): its AdamW bytes per element",
+    )
+    parser.add_argument(
         "--context-parallel", type=int, default=None, help="ranks each sequence is split over (overrides the recipe's)"
     )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for the activation estimate")
@@ -187,6 +193,8 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config.memory = replace(config.memory, quantize_base=args.quantize_base)
     if args.offload is not None:
         config.memory = replace(config.memory, offload=args.offload)
+    if args.bf16_updates is not None:
+        config.dtypes = replace(config.dtypes, bf16_updates=args.bf16_updates)
     if args.context_parallel is not None:
         config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
     experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
@@ -201,6 +209,8 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         problems.append(f"--lora-rank {args.lora_rank} must be >= 1")
     if precision_problem(precision):
         problems.append(f"--{precision_problem(precision)}")
+    elif config.bf16_updates_problem(precision) is not None:
+        problems.append(f"--bf16-updates: {config.bf16_updates_problem(precision)}")
     if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
         problems.append(f"--world-size {args.world_size} must be a positive multiple of --replicate {replicate}")
     elif min(experts, context) >= 1:

@@ -340,6 +340,8 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         problems.append(f"strategy.name={recipe.strategy.name!r}: recipes train with {STRATEGY_NAME!r}; set it back")
     if precision_problem(recipe.trainer.precision) is not None:
         problems.append(f"trainer.{precision_problem(recipe.trainer.precision)}")
+    elif recipe.strategy.bf16_updates_problem(recipe.trainer.precision) is not None:
+        problems.append(recipe_spelling(str(recipe.strategy.bf16_updates_problem(recipe.trainer.precision))))
     for name in ("devices", "num_nodes", "max_steps", "accumulate_grad_batches", "val_check_interval"):
         if getattr(recipe.trainer, name) < 1:
             problems.append(f"trainer.{name}={getattr(recipe.trainer, name)} must be >= 1")
