@@ -318,3 +318,34 @@ def test_distill_memory_counts_the_teachers_bytes_and_the_losss_peak_and_times_b
     out = capsys.readouterr().out
     assert "| nf4, sharded |" in out and "| distillation, teacher bf16, sharded |" in out
     assert "| mmap | whole [tokens, vocab] logits |" in out
+
+
+def test_preference_memory_counts_each_references_bytes_and_times_its_step() -> None:
+    pytest.importorskip("torchao")
+    pytest.importorskip("peft")
+    from benchmarks import preference_memory
+
+    results = preference_memory.main(["--size", "tiny", "--seq", "16", "--steps", "1"])
+    held = {setup: sum(row["reference"].values()) for setup, row in results["bytes"].items()}
+    state = {setup: sum(row["policy"].values()) for setup, row in results["bytes"].items()}
+    # bytes counted tensor by tensor: 4 bits < the bf16 copy; the scores of every pair; adapters off hold nothing
+    assert 0 < held["copy, nf4"] < held["copy, bf16"] == held["copy, offloaded"]
+    assert held["precomputed"] == held["LoRA, precomputed"] == preference_memory.DATA_PAIRS * 2 * 4
+    assert held["LoRA, adapters_off"] == 0
+    assert state["LoRA, adapters_off"] == state["LoRA, precomputed"] < state["precomputed"] == state["copy, bf16"]
+    assert set(results["step_s"]) == set(preference_memory.SETUPS)
+    assert all(seconds > 0 for seconds in results["step_s"].values())
+
+
+def test_bf16_updates_counts_each_methods_bytes_and_times_and_evaluates_it() -> None:
+    from benchmarks import bf16_updates
+
+    results = bf16_updates.main(["--steps", "2", "--dim", "32", "--seq", "16", "--batch", "2"])
+    assert set(results) == set(bf16_updates.SETUPS)
+    per_bulk = {name: row["bytes"].get("bf16 bulk") for name, row in results.items()}
+    # counted tensor by tensor: bf16 param + AdamW's states (+ the buffer); fp32 masters have no bf16 bulk
+    assert per_bulk == {
+        "fp32 masters (bf16-mixed)": None, "bf16, nearest": 6.0, "bf16, stochastic": 8.0, "bf16, kahan": 10.0,
+    }  # fmt: skip
+    assert results["fp32 masters (bf16-mixed)"]["bytes"]["all"] == 12.0
+    assert all(row["step_s"] > 0 and row["held_out_loss"] > 0 for row in results.values())
