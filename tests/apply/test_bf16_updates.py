@@ -2,6 +2,7 @@
 or Kahan-compensated, against plain PyTorch on fp32 params. One launch of 2 ranks holds every distributed check;
 refusals before launch run in this process."""
 
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -46,6 +47,8 @@ def _single_param(world: int, method: str, betas: Tuple[float, float], monitored
     with torch.no_grad():
         local_tensor(model.weight).fill_(7.0)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=SINGLE_LR, betas=betas))
+    # an LR scheduler built after setup wraps the step the strategy installed (a constant rate here)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambda step: 1.0)
     reference = torch.full((64, 64), 7.0, requires_grad=True)  # plain PyTorch, fp32
     reference_optimizer = torch.optim.AdamW([reference], lr=SINGLE_LR, betas=betas)
     monitor = PrecisionMonitor(every_n_steps=1, patience=2)
@@ -60,6 +63,7 @@ def _single_param(world: int, method: str, betas: Tuple[float, float], monitored
         else:
             optimizer.step()
         reference_optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
         reference_optimizer.zero_grad()
         farthest = max(farthest, (model.weight.full_tensor().float() - reference.detach()).abs().max().item())
@@ -224,6 +228,8 @@ def _recipe_losses(world: int, folder: Path, method: str) -> Dict[str, List[floa
     from lightning_mixedfsdp.recipes.run import runner
     from lightning_mixedfsdp.recipes.run.loader import load_recipe
 
+    scheduler_warnings: List[str] = []
+
     def fit(output: Path, checkpoint: Any = None) -> List[float]:
         losses: List[float] = []
 
@@ -232,6 +238,8 @@ def _recipe_losses(world: int, folder: Path, method: str) -> Dict[str, List[floa
                 losses.append(outputs["loss"].item())
 
         runner.monitors = lambda recipe: [Losses()]  # type: ignore[assignment]  # this process's runner only
+        # the recipe's LambdaLR wraps the optimizer's step before the strategy installs its own: it must still see
+        # each step (no "overridden after learning rate scheduler initialization" or "before optimizer.step()")
         overrides = [
             "trainer.accelerator=cpu", f"trainer.devices={world}", "trainer.max_steps=4",
             "trainer.val_check_interval=4", "trainer.checkpoint_every_n_steps=2", "trainer.keep_checkpoints=4",
@@ -239,12 +247,20 @@ def _recipe_losses(world: int, folder: Path, method: str) -> Dict[str, List[floa
             "data.val_windows=2", "data.max_bytes=40000", "optimizer.lr=0.001",
             f"strategy.dtypes.bf16_updates={method}", f"output.dir={output}",
         ]  # fmt: skip
-        runner.run(load_recipe(None, overrides, launching=False), checkpoint)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner.run(load_recipe(None, overrides, launching=False), checkpoint)
+        scheduler_warnings.extend(str(w.message) for w in caught if "lr_scheduler" in str(w.message))
         return losses
+
+    from safetensors import safe_open
 
     straight = fit(folder / f"straight_{method}")
     resumed = fit(folder / f"resumed_{method}", folder / f"straight_{method}" / "checkpoints" / "step=2.ckpt")
-    return {"straight": straight, "resumed": resumed}
+    with safe_open(str(folder / f"straight_{method}" / "export" / "model.safetensors"), "pt") as export:
+        metadata = export.metadata()
+    export_says = metadata.get("mixed_fsdp2_bf16_updates")
+    return {"straight": straight, "resumed": resumed, "export_says": export_says, "warnings": scheduler_warnings}
 
 
 def _refused(world: int) -> Dict[str, str]:
@@ -348,6 +364,8 @@ def test_a_resumed_recipe_repeats_the_straight_runs_losses_bitwise(runs: List[Di
         for method in ("stochastic", "kahan"):
             straight, resumed = rank["recipe"][method]["straight"], rank["recipe"][method]["resumed"]
             assert len(straight) == 4 and resumed == straight[2:], method
+            assert rank["recipe"][method]["export_says"] == method
+            assert rank["recipe"][method]["warnings"] == []
 
 
 def test_the_monitor_names_no_compensated_param_and_still_names_the_nearest_one(runs: List[Dict]) -> None:
