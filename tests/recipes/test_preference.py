@@ -1,7 +1,7 @@
 """Preference tuning through the runner's own pieces: masks of text and conversational pairs, the DPO and IPO losses
-against their formulas, and one launch of 2 ranks (3 steps, a checkpoint at step 2, a resumed run) against one
-process on the whole batch, fp32, an HF Llama policy and its frozen copy as the reference. Refusals run in this
-process."""
+against their formulas, and one launch of 2 ranks (3 steps with activation checkpointing, a checkpoint at step 2, a
+resumed run; the precomputed and adapters-off references) against one process on the whole batch without
+checkpointing, fp32, an HF Llama policy and its frozen copy as the reference. Refusals run in this process."""
 
 import json
 import math
@@ -143,9 +143,10 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
 
 def _two_ranks(rank: int, world_size: int, policy: str, pairs: str, folder: str) -> Dict[str, Any]:
     straight = Path(folder) / "straight"
-    seen = _fit(overrides(Path(policy), Path(pairs), straight, BATCH, world_size))
+    checkpointed = ["strategy.activation_checkpointing=full"]  # recomputed in fp32: the one process runs without
+    seen = _fit([*overrides(Path(policy), Path(pairs), straight, BATCH, world_size), *checkpointed])
     resumed = overrides(Path(policy), Path(pairs), Path(folder) / "resumed", BATCH, world_size)
-    _fit(resumed, straight / "checkpoints" / "step=2.ckpt")
+    _fit([*resumed, *checkpointed], straight / "checkpoints" / "step=2.ckpt")
     # the other references: precomputed (straight, then resumed in its own run folder), and LoRA's adapters off
     precomputed = overrides(Path(policy), Path(pairs), Path(folder) / "precomputed", BATCH, world_size)
     precomputed.append("preference.reference=precomputed")
