@@ -126,6 +126,8 @@ def _fit(recipe_overrides: List[str], checkpoint: Any = None) -> Dict[str, Any]:
                 seen["first_loss_by_formula"] = dpo.mean().item()
 
         def on_train_end(self, trainer: pl.Trainer, module: Any) -> None:
+            local = [getattr(p, "_local_tensor", p) for p in module.model.parameters()]
+            seen["nf4_weights"] = sum(type(t).__name__ == "NF4Tensor" for t in local)
             if "first_batch" in seen:  # the reference's scores of the first batch after training
                 seen["last_reference"] = module.reference_scores(seen.pop("first_batch"), "train")
             if module.reference is None:
@@ -154,6 +156,10 @@ def _two_ranks(rank: int, world_size: int, policy: str, pairs: str, folder: str)
     seen["precomputed_resumed"] = _fit(precomputed, Path(folder) / "precomputed" / "checkpoints" / "step=2.ckpt")
     lora = overrides(Path(policy), Path(pairs), Path(folder) / "adapters_off", BATCH, world_size)
     seen["adapters_off"] = _fit([*lora, "peft.enabled=true", "peft.target_modules=[q_proj,v_proj,down_proj]"])
+    # QLoRA: the adapters over a 4-bit base, the reference that base with the adapters off, bf16-true
+    qlora = overrides(Path(folder) / "wide_policy", Path(pairs), Path(folder) / "qlora", BATCH, world_size)
+    qlora += ["peft.enabled=true", "strategy.memory.quantize_base=nf4", "trainer.precision=bf16-true"]
+    seen["qlora"] = _fit(qlora)
     return seen
 
 
@@ -165,6 +171,7 @@ def _one_process(rank: int, world_size: int, policy: str, pairs: str, folder: st
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     folder = tmp_path_factory.mktemp("preference")
     policy, pairs = make_llama_folder(folder / "policy"), _pairs_file(folder)
+    make_llama_folder(folder / "wide_policy", hidden=256)  # its Linear shards fill NF4's blocks
     ranks = run_distributed(_two_ranks, 2, str(policy), str(pairs), str(folder), timeout=600)
     one = run_distributed(_one_process, 1, str(policy), str(pairs), str(folder), timeout=600)
     return {"folder": folder, "ranks": ranks, "one": one[0]}
@@ -211,6 +218,15 @@ def test_lora_s_adapters_off_reference_is_the_starting_weights_before_and_after_
         torch.testing.assert_close(lora["last_reference"], rank["first_reference"], rtol=1e-6, atol=1e-5)
         assert lora["losses"][-1] != pytest.approx(lora["losses"][0], rel=1e-3)  # the adapters trained
     assert (runs["folder"] / "adapters_off" / "adapter").is_dir()
+
+
+def test_qlora_s_adapters_off_reference_is_its_4_bit_base_and_trains(runs: Dict[str, Any]) -> None:
+    for rank in runs["ranks"]:
+        qlora = rank["qlora"]
+        assert qlora["nf4_weights"] == 14  # 7 projections in each of 2 layers, 4 bits, the reference's base too
+        # at step 0 the policy is its reference: DPO's log 2 and the SFT term, as written out (bf16: 1e-3)
+        assert qlora["first_loss"] == pytest.approx(qlora["first_loss_by_formula"], rel=1e-3)
+        assert qlora["losses"][-1] != pytest.approx(qlora["losses"][0], rel=1e-3)
 
 
 def test_the_reference_is_sharded_frozen_and_out_of_the_optimizer_checkpoint_and_export(runs: Dict[str, Any]) -> None:
