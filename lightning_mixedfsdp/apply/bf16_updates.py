@@ -76,14 +76,13 @@ def install_bf16_updates(
                     f"{owner}: bf16_updates={method!r} does not reproduce {kind.__name__}({option}=True); set"
                     f" {option}=False, or bf16_updates='nearest'."
                 )
-    writer = Bf16Writer(optimizer, method, seed)
-    if not writer.taken:
+    if not any(p.requires_grad and _stored_in_bf16(p) for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
             f"{owner}: bf16_updates={method!r} writes the updates of trainable params stored in bf16, and this"
             f" {kind.__name__} holds none: its params have fp32 masters already (a precision other than"
             " 'bf16-true', or keep-fp32 rules). Leave bf16_updates='nearest', or train with precision='bf16-true'."
         )
-    return writer
+    return Bf16Writer(optimizer, method, seed)
 
 
 class Bf16Writer:
@@ -93,14 +92,8 @@ class Bf16Writer:
         self.optimizer, self.method, self.seed = optimizer, method, seed
         self.index: Dict[int, int] = {}
         """Each taken param (by identity) at its position among the optimizer's params."""
-        position = 0
-        for group in optimizer.param_groups:
-            group[GROUP_KEY] = method
-            for param in group["params"]:
-                if param.requires_grad and _stored_in_bf16(param):
-                    self.index[id(param)] = position
-                position += 1
-        self.taken: Set[int] = set(self.index)
+        self.taken: Set[int] = set()
+        self._take_new_groups()
         self._held: List[List[Tensor]] = []
         self._loading: Dict[Tuple[int, str], Tensor] = {}
         self._own_step = type(optimizer).step  # torch's, wrapped by its step hooks
@@ -111,6 +104,19 @@ class Bf16Writer:
 
     # -- the step: the optimizer runs on its other params, then the taken ones are written here
 
+    def _take_new_groups(self) -> None:
+        """The trainable bf16 params of the groups not taken yet (all at install; later, a group added by
+        ``add_param_group``, as Lightning's ``BaseFinetuning`` adds the layers it unfreezes)."""
+        position = 0
+        for group in self.optimizer.param_groups:
+            fresh = GROUP_KEY not in group
+            group[GROUP_KEY] = self.method
+            for param in group["params"]:
+                if fresh and param.requires_grad and _stored_in_bf16(param):
+                    self.index[id(param)] = position
+                    self.taken.add(id(param))
+                position += 1
+
     def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """The closure first (forward, backward, Lightning's ``zero_grad`` and clipping: all of them see every
         param), then the optimizer's own step over its other params, then (its first post hook) the taken ones."""
@@ -118,6 +124,7 @@ class Bf16Writer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._take_new_groups()
         self._held = [group["params"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) not in self.taken]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.testing import run_distributed
 
 SPACING_AT_7 = 2.0**-5  # bf16's spacing in [4, 8)
@@ -29,7 +30,6 @@ def _fabric(world: int, precision: str = "bf16-true", **options: Any) -> Any:
 
 def _state_bytes(optimizer: Any, param: Any) -> float:
     """The optimizer's state bytes per local element of ``param``."""
-    from lightning_mixedfsdp.model.tensors import local_tensor
 
     state = [local_tensor(t) for t in optimizer.state[param].values() if isinstance(t, torch.Tensor) and t.dim()]
     return sum(t.numel() * t.element_size() for t in state) / local_tensor(param).numel()
@@ -40,7 +40,6 @@ def _state_bytes(optimizer: Any, param: Any) -> float:
 
 def _single_param(world: int, method: str, betas: Tuple[float, float], monitored: bool = False) -> Dict[str, Any]:
     from lightning_mixedfsdp import PrecisionMonitor
-    from lightning_mixedfsdp.model.tensors import local_tensor
 
     fabric = _fabric(world, bf16_updates=method, keep_fp32_modules=[])
     model = fabric.setup_module(nn.Linear(64, 64, bias=False))
@@ -192,7 +191,6 @@ def _replicas(world: int) -> List[bool]:
 
 
 def _checkpoint_round_trip(world: int, folder: Path) -> Dict[str, Any]:
-    from lightning_mixedfsdp.model.tensors import local_tensor
 
     def built() -> Tuple[Any, Any, Any]:
         fabric = _fabric(world, bf16_updates="kahan", keep_fp32_modules=[])
@@ -263,6 +261,22 @@ def _recipe_losses(world: int, folder: Path, method: str) -> Dict[str, List[floa
     return {"straight": straight, "resumed": resumed, "export_says": export_says, "warnings": scheduler_warnings}
 
 
+def _added_group(world: int) -> float:
+    """A layer added to the optimizer after setup (``add_param_group``, as ``BaseFinetuning`` unfreezes one): its bf16
+    weight at 7 moves by its updates of 1e-4 too (rounded to nearest it would stay at 7)."""
+    fabric = _fabric(world, bf16_updates="stochastic", keep_fp32_modules=[])
+    model = fabric.setup_module(nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)))
+    with torch.no_grad():
+        local_tensor(model.module[1].weight).fill_(7.0)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.module[0].parameters(), lr=1e-4, weight_decay=0.0))
+    optimizer.add_param_group({"params": list(model.module[1].parameters())})
+    for _ in range(40):
+        fabric.backward(model(torch.ones(2, 64, dtype=torch.bfloat16)).float().sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    return (7.0 - model.module[1].weight.full_tensor().double()).abs().mean().item()
+
+
 def _refused(world: int) -> Dict[str, str]:
     out = {}
     for name, make in {
@@ -292,6 +306,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> Dict[str, Any]:
     out["checkpoint"] = _checkpoint_round_trip(world, Path(folder))
     out["recipe"] = {method: _recipe_losses(world, Path(folder), method) for method in ("stochastic", "kahan")}
     out["refused"] = _refused(world)
+    out["added_group_moved"] = _added_group(world)
     return out
 
 
@@ -374,6 +389,12 @@ def test_the_monitor_names_no_compensated_param_and_still_names_the_nearest_one(
     for method in ("stochastic", "kahan"):
         assert single[method, (0.9, 0.95)]["named"] == {}, method
         assert single[method, (0.9, 0.95)]["shares"]["weight"] == 0.0, method
+
+
+def test_a_param_group_added_after_setup_is_written_back_too(runs: List[Dict]) -> None:
+    # 40 updates of about 1e-4 each, of a steady sign per element (AdamW's step under a gradient that barely
+    # changes): each element moves a spacing (1/32) with probability 0.13, none rounded to nearest
+    assert runs[0]["added_group_moved"] == pytest.approx(40 * 1e-4, rel=0.2)
 
 
 def test_an_optimizer_it_does_not_reproduce_is_refused_with_the_supported_list(runs: List[Dict]) -> None:
