@@ -34,6 +34,7 @@ def _fit(folder: Path, hf: bool, batch: int, accumulate: int, context_parallel: 
 
     from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy
     from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
+    from lightning_mixedfsdp.recipes.objectives.objective import Schedule
     from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
     from lightning_mixedfsdp.recipes.settings.schema import DataSection, ModelSection
     from tests.scenarios import full_grads
@@ -57,7 +58,7 @@ def _fit(folder: Path, hf: bool, batch: int, accumulate: int, context_parallel: 
     )  # fmt: skip
     model = ModelSection(dim=32, n_layers=2, hidden_dim=64, mixer_layers=[], hf_config=HF_LLAMA if hf else None)
     pl.seed_everything(0, verbose=False)
-    module = (MeanPerMicroBatch if naive else ChatLM)(model, 1e-3, 0.0, [0.9, 0.95], 1, 1)
+    module = (MeanPerMicroBatch if naive else ChatLM)(model, Schedule(1e-3, 0.0, (0.9, 0.95), 1, 1))
     recorder = FirstGrads()
     trainer = pl.Trainer(
         accelerator="cpu", devices=WORLD, strategy=MixedFSDP2Strategy(context_parallel_size=context_parallel),
