@@ -156,9 +156,9 @@ def _summed(counts: Tensor, numel: Tensor) -> Tuple[Tensor, Tensor]:
 def _measured(param: Tensor, optimizer: Optional[Optimizer], methods: Dict[int, str]) -> Tensor:
     """The local value a step moves: the param's, plus its compensation under ``bf16_updates="kahan"``."""
     value = local_tensor(param.detach())
-    compensation = optimizer.state.get(param, {}).get("compensation") if optimizer is not None else None
-    if methods.get(id(param)) != "kahan":
+    if optimizer is None or methods.get(id(param)) != "kahan":
         return value
+    compensation = optimizer.state.get(param, {}).get("compensation")
     if not isinstance(compensation, Tensor):
         return value.float()
     return value.float() + local_tensor(compensation).float()
