@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
+from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
@@ -70,6 +71,9 @@ def shard_model(
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
+    problems = conditional_problems(plan, config.parallelism.context_parallel_size, cross_replica_reduce is not None)
+    if problems:  # the same plan on every rank: every rank raises the same, before any collective
+        raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(problems))
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.diagnostics.print_report:
         _on_rank_zero(lambda: log.info(format_plan(plan)))

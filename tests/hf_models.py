@@ -121,3 +121,85 @@ class AuxFreeBalancing:
         for router in self.routers:
             load = self.loads[router].float()
             router.e_score_correction_bias.add_(self.rate * torch.sign(load.mean() - load))
+
+
+VLM_TEXT = dict(COMMON, max_position_embeddings=256)
+IMAGE_TOKEN = 60
+"""The image placeholder id of the tiny VLMs (inside the vocabulary of 64)."""
+
+
+def tiny_vlm_config(model_type: str) -> Any:
+    """A tiny image-text config from HF's own classes: ``llava`` (a SigLIP tower, 32x32 images in 16 patches) or
+    ``qwen2_vl`` (its own tower, a 16x16 image in 16 patches merged into 4 tokens)."""
+    from transformers import AutoConfig
+
+    if model_type == "llava":
+        vision = dict(
+            model_type="siglip_vision_model",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=32,
+            patch_size=8,
+        )
+        return AutoConfig.for_model(
+            "llava",
+            text_config=dict(VLM_TEXT, model_type="llama"),
+            vision_config=vision,
+            image_token_id=IMAGE_TOKEN,
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="full",
+        )
+    text = dict(VLM_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, bos_token_id=1, eos_token_id=2)
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=32,
+        num_heads=4,
+        mlp_ratio=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_chans=3,
+    )
+    return AutoConfig.for_model(
+        "qwen2_vl",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=61,
+        vision_start_token_id=58,
+        vision_end_token_id=59,
+    )
+
+
+def tiny_vlm(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """``AutoModelForImageTextToText.from_config`` of :func:`tiny_vlm_config`, seeded: HF's own init."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(tiny_vlm_config(model_type))
+
+
+def vlm_row(model_type: str, seed: int, with_image: bool, length: int = 24) -> dict:
+    """One training row for :func:`tiny_vlm`: text tokens, and with an image its placeholder tokens and pixels."""
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 58, (length,), generator=generator)
+    if not with_image:
+        return {"input_ids": text[None], "labels": text[None].clone()}
+    if model_type == "llava":
+        image = [IMAGE_TOKEN] * 16
+        extra = {"pixel_values": torch.randn(1, 3, 32, 32, generator=generator)}
+    else:
+        image = [58, *([IMAGE_TOKEN] * 4), 59]
+        extra = {
+            "pixel_values": torch.randn(16, 3 * 2 * 4 * 4, generator=generator),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        }
+    ids = torch.cat([text[:4], torch.tensor(image), text[4:]])[None]
+    labels = ids.clone()
+    labels[ids == IMAGE_TOKEN] = -100
+    if model_type == "qwen2_vl":  # its multimodal rotary positions read which tokens are the image's
+        extra["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+    return {"input_ids": ids, "labels": labels, **extra}

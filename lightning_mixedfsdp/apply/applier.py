@@ -15,6 +15,7 @@ from lightning_mixedfsdp.apply.adapt import ClassRestore
 from lightning_mixedfsdp.apply.boundaries import apply_boundaries, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
+from lightning_mixedfsdp.apply.conditional import apply_conditional_reduction
 from lightning_mixedfsdp.apply.context_parallel import (
     ContextParallel,
     apply_context_parallel,
@@ -120,6 +121,12 @@ def apply_plan(
     apply_fully_shard_groups(index, plan, meshes, options, ignored)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
+    synced = lambda: reducer.requires_gradient_sync  # noqa: E731  the strategy's gradient-sync switch
+    conditional = apply_conditional_reduction(plan, index, meshes.replicas.get_group(), synced)
+    if conditional is not None:
+        handles.extend(conditional.attach(index))
+        tracker.on_backward_end(conditional.on_backward_end)
+        tracker.on_reset(conditional.reset)
     handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))
     if meshes.context_parallel is not None:
         rotate = options.parallelism.context_parallel_rotate

@@ -418,3 +418,21 @@ def _dtensor_like(local: Tensor, like: Any) -> Any:
     shape, stride = compute_global_tensor_info(local, like.device_mesh, like.placements)
     spec = DTensorSpec(like.device_mesh, like.placements, TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def reduce_unused_params(module: nn.Module) -> bool:
+    """Make ``module``'s own FSDP groups reduce zeros for the trainable params that got no grad on this rank (the
+    public ``FSDPModule.set_reduce_scatter_unused_params``, torch 2.13 to 2.15; absent from 2.11). False where the
+    installed torch lacks it."""
+    setter = getattr(module, "set_reduce_scatter_unused_params", None)
+    if setter is None:
+        return False
+    setter(True, recurse=False)
+    return True
+
+
+def can_reduce_unused_params() -> bool:
+    """Whether the installed torch's FSDP2 has ``set_reduce_scatter_unused_params`` (2.13 to 2.15 do, 2.11 not)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return hasattr(FSDPModule, "set_reduce_scatter_unused_params")

@@ -3,6 +3,7 @@ nests them, their validation (every problem at once), and the precision flags wi
 
 from lightning_mixedfsdp.config.config import MixedFSDPConfig, flat_names, group_classes, nested_options
 from lightning_mixedfsdp.config.groups import (
+    DEFAULT_CONDITIONAL_MODULES,
     DEFAULT_KEEP_FP32_MODULES,
     DEFAULT_KEEP_FP32_PARAMS,
     DEFAULT_NORM_RULES,
@@ -38,6 +39,7 @@ from lightning_mixedfsdp.config.precision import (
 )
 
 __all__ = [
+    "DEFAULT_CONDITIONAL_MODULES",
     "DEFAULT_KEEP_FP32_MODULES",
     "DEFAULT_KEEP_FP32_PARAMS",
     "DEFAULT_NORM_RULES",

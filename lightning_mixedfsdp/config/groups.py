@@ -27,6 +27,16 @@ DEFAULT_KEEP_FP32_PARAMS = (
     r"(^|\.)(e_score_correction_bias|expert_bias)$",
 )
 
+# the outermost modules HF multimodal models run only for inputs that have their modality: Llava, Gemma 3, Llama 4,
+# Mistral 3 (vision_tower / vision_model, multi_modal_projector), Qwen2/2.5/3-VL (visual, its merger inside),
+# Idefics3 / SmolVLM (vision_model, connector), Qwen2-Audio and Voxtral (audio_tower), Gemma 3n (embed_vision,
+# embed_audio); matched against the last part of a module's name
+DEFAULT_CONDITIONAL_MODULES = (
+    r"(^|\.)(vision_tower|vision_model|visual|vision_encoder|image_encoder)$",
+    r"(^|\.)(multi_modal_projector|mm_projector|connector)$",
+    r"(^|\.)(audio_tower|audio_model|audio_encoder|embed_vision|embed_audio)$",
+)
+
 StorageChoice = Literal["auto", "keep", "bf16", "fp32"]
 DtypeChoice = Literal["auto", "bf16", "fp32"]
 Bf16UpdateChoice = Literal["nearest", "stochastic", "kahan"]
@@ -124,6 +134,7 @@ class Sharding(OptionGroup):
         name: name
         for name in (
             "wrap_units",
+            "conditional_modules",
             "reshard_after_forward",
             "replicate_below_bytes",
             "activation_checkpointing",
@@ -136,6 +147,14 @@ class Sharding(OptionGroup):
     """Class names (suffix or qualified, like ``keep_fp32_modules``) that become FSDP units. ``None`` (auto): HF
     ``_no_split_modules`` when the model declares them, else the children of the outermost ``nn.ModuleList``s
     (blocks, not the experts inside them)."""
+
+    conditional_modules: Optional[List[str]] = field(default=None, metadata={PATTERNS: "regex"})
+    """Modules that run for some inputs only (a vision tower, its projector, an audio encoder): regular expressions
+    searched in module names, the outermost match taken. ``None`` (auto): the towers and projectors of HF multimodal
+    models, by the names they give them (:data:`DEFAULT_CONDITIONAL_MODULES`); ``[]``: none. Ranks that see different
+    inputs (images on one, text on another) run different modules, so such a module is never an FSDP unit of its own:
+    its params ride in the unit around it, which every rank runs (its minority dtypes, the tower's fp32 norms, are
+    replicated), and the trainable ones that did not run on a rank reduce zeros there."""
 
     reshard_after_forward: bool = True
     """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""

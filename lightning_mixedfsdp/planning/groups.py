@@ -51,6 +51,10 @@ class _ModelFacts:
     """Canonical module name -> the unit that owns it."""
     containers: FrozenSet[str]
     """ModuleList/ModuleDict names: never called, so never a group member."""
+    holds_units: FrozenSet[str]
+    """Modules with a nested unit: a dtype boundary on one would wrap that unit's compute too."""
+    conditional: Tuple[str, ...]
+    """Modules that run for some inputs only (``conditional.py``)."""
     bulk: BulkDtypes
     replicate_below_bytes: int
 
@@ -63,13 +67,18 @@ def plan_groups(
     units: Sequence[str],
     bulk: BulkDtypes,
     replicate_below_bytes: int,
+    conditional: Sequence[str] = (),
 ) -> Tuple[List[ShardGroup], Dict[str, str]]:
-    """Group params unit by unit: the majority key owns the unit, each minority key gets one group."""
+    """Group params unit by unit: the majority key owns the unit, each minority key gets one group; inside the
+    ``conditional`` modules (which no unit is inside) a minority key is replicated."""
     unit_set = set(units)
     owner = {name: _owning_unit(_parent(name), unit_set) for name in params}
     module_owner = {name: _owning_unit(name, unit_set) for name, _ in index.named_modules()}
     containers = frozenset(n for n, m in index.named_modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)))
-    facts = _ModelFacts(params, keys, pinned, module_owner, containers, bulk, replicate_below_bytes)
+    holds_units = frozenset(n for n, _ in index.named_modules() if any(u != n and is_within(u, n) for u in units))
+    facts = _ModelFacts(
+        params, keys, pinned, module_owner, containers, holds_units, tuple(conditional), bulk, replicate_below_bytes
+    )
     groups: List[ShardGroup] = []
     for unit in [*units, ROOT]:
         groups.extend(_plan_unit(unit, [n for n in params if owner[n] == unit], facts))
@@ -95,13 +104,17 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
 
     groups: List[ShardGroup] = []
     taken: set = set()
+    always = [n for n in unit_params if not inside(n, facts.conditional)]
     for key in size_by_key:
         if key == majority:
             continue
-        key_params = [n for n in keyed if keys[n] == key]
         group_key = _returning(key, majority.compute)
-        modules = _maximal_uniform_modules(unit, key, unit_params, keys, facts.module_owner, facts.containers)
-        covered = [n for n in unit_params if any(is_within(n, m) for m in modules)]
+        groups.extend(_conditional_minority(unit, key, group_key, unit_params, keyed, facts, taken))
+        key_params = [n for n in keyed if keys[n] == key and n not in taken]
+        if not key_params:
+            continue
+        modules = _maximal_uniform_modules(unit, key, always, keys, facts)
+        covered = [n for n in always if any(is_within(n, m) for m in modules)]
         inseparable = tuple(n for n in key_params if n not in covered)
         if inseparable:
             label = f"{unit or '<root>'}:inseparable[{key}]"
@@ -121,19 +134,40 @@ def _plan_unit(unit: str, unit_params: List[str], facts: _ModelFacts) -> List[Sh
     return groups
 
 
-def _maximal_uniform_modules(
+def _conditional_minority(
     unit: str,
     key: DtypeKey,
+    group_key: DtypeKey,
     unit_params: List[str],
-    keys: Dict[str, DtypeKey],
-    module_owner: Dict[str, str],
-    containers: FrozenSet[str],
+    keyed: List[str],
+    facts: _ModelFacts,
+    taken: set,
+) -> List[ShardGroup]:
+    """The ``key`` params of ``unit`` inside conditional modules, replicated (a sharded group would all-gather only on
+    the ranks that run them), with their dtype boundary on the largest uniform modules inside the conditional ones."""
+    key_params = tuple(n for n in keyed if facts.keys[n] == key and inside(n, facts.conditional))
+    if not key_params:
+        return []
+    within = [n for n in unit_params if inside(n, facts.conditional)]
+    uniform = _maximal_uniform_modules(unit, key, within, facts.keys, facts)
+    modules = [m for m in uniform if inside(m, facts.conditional)]
+    taken.update(key_params)
+    label = f"{unit or '<root>'}:conditional[{key}]"
+    reason = ReplicationReason.CONDITIONAL
+    return [ShardGroup(label, unit, tuple(modules), group_key, key_params, replicated=True, reason=reason)]
+
+
+def _maximal_uniform_modules(
+    unit: str, key: DtypeKey, unit_params: List[str], keys: Dict[str, DtypeKey], facts: _ModelFacts
 ) -> List[str]:
-    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit) whose params all have ``key``.
+    """Largest submodules of ``unit`` (not the unit itself, not inside a nested unit, not holding one) whose params
+    all have ``key``.
 
     Frozen params count with their own dtypes: a frozen bf16 subtree holding one fp32 norm (a PEFT base model, a
-    frozen tower) is not "uniformly fp32", so the norm's casts never wrap its bf16 matmuls.
+    frozen tower) is not "uniformly fp32", so the norm's casts never wrap its bf16 matmuls. A module holding a unit
+    is never a member: its casts would wrap that unit's compute too.
     """
+    module_owner, containers = facts.module_owner, facts.containers
     keys_below: Dict[str, set] = defaultdict(set)
     for name in unit_params:
         module = _parent(name)
@@ -146,7 +180,11 @@ def _maximal_uniform_modules(
     uniform = {
         m
         for m, ks in keys_below.items()
-        if m != unit and ks == {key} and module_owner.get(m) == unit and m not in containers
+        if m != unit
+        and ks == {key}
+        and module_owner.get(m) == unit
+        and m not in containers
+        and m not in facts.holds_units
     }
     return sorted(m for m in uniform if not _has_uniform_ancestor(m, uniform, unit))
 

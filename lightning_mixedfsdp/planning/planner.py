@@ -23,6 +23,7 @@ from lightning_mixedfsdp.config import (
 )
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name
 from lightning_mixedfsdp.planning.buffers import plan_buffers
+from lightning_mixedfsdp.planning.conditional import find_conditional_modules, without_conditional_units
 from lightning_mixedfsdp.planning.experts import ExpertPlan, plan_experts
 from lightning_mixedfsdp.planning.float8 import fused_experts, plan_float8
 from lightning_mixedfsdp.planning.groups import (
@@ -96,11 +97,14 @@ def plan_model(
     matches = match_keep_fp32(model, KeepFp32Rules.of(options.dtypes), index)
     frozen = find_frozen_modules(model, index) if options.dtypes.pin_frozen_modules else []
     experts = _expert_plan(model, index, options)
-    units = _units(index, options.sharding.wrap_units, experts)
+    conditional = find_conditional_modules(index, options.sharding.conditional_modules)
+    units = without_conditional_units(_units(index, options.sharding.wrap_units, experts), conditional)
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     keys = {name: param_key(p, name in matches, bulk, inside(name, frozen)) for name, p in params.items()}
     frozen_pinned = tuple(n for n, p in params.items() if keys[n] != param_key(p, n in matches, bulk))
-    groups, group_of = plan_groups(index, params, keys, matches, units, bulk, options.sharding.replicate_below_bytes)
+    groups, group_of = plan_groups(
+        index, params, keys, matches, units, bulk, options.sharding.replicate_below_bytes, conditional
+    )
     if experts is not None:
         groups = mark_expert_groups(groups, experts, type(model).__name__)
     quantized, not_quantized = plan_quantization(
@@ -134,6 +138,7 @@ def plan_model(
         replica_groups=options.replica_groups,
         context_parallel=options.parallelism.context_parallel_size,
         frozen_pinned=frozen_pinned,
+        conditional_modules=tuple(conditional),
         non_persistent_buffers=_non_persistent_buffers(index),
         warnings=_plan_warnings(matches, unbuilt),
     )

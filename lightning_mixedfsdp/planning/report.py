@@ -102,6 +102,7 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
     summary += float8_lines(plan)
     summary += fault_tolerance_lines(plan)
     summary += context_parallel_lines(plan)
+    summary += conditional_lines(plan)
     summary += offload_lines(plan)
     summary += bf16_update_lines(plan)
     lines = summary + [""] + format_table(header, param_rows)
@@ -110,6 +111,29 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
     if plan.warnings:
         lines += [""] + [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def conditional_lines(plan: ShardPlan, shard_ranks: Optional[int] = None) -> List[str]:
+    """The modules that run for some inputs only: frozen or trainable, their bytes (per rank over ``shard_ranks``),
+    and where they are all-gathered."""
+    if not plan.conditional_modules:
+        return []
+    lines = [
+        "run for some inputs only (no unit of their own: all-gathered with the unit around them, which every rank"
+        " runs; minority dtypes replicated):"
+    ]
+    for module in plan.conditional_modules:
+        params = [plan.params[name] for name in plan.params_in(module)]
+        trainable = sum(math.prod(p.shape) for p in params if p.requires_grad)
+        state = f"trainable ({format_count(trainable)} params)" if trainable else "frozen"
+        sharded = sum(p.nbytes for p in params if not p.replicated)
+        replicated = sum(p.nbytes for p in params if p.replicated)
+        size = format_bytes(sharded + replicated)
+        if shard_ranks is not None:
+            size += f", {format_bytes(sharded / shard_ranks + replicated)} per rank"
+        units = sorted({collapse_indices(p.group) for p in params if not p.replicated})
+        lines.append(f"  {module}: {state}, {size}, in {', '.join(units) or 'replicated groups'}")
+    return lines
 
 
 def context_parallel_lines(plan: ShardPlan) -> List[str]:

@@ -27,6 +27,9 @@ class ReplicationReason(str, Enum):
     """No module boundary separates the params from those of another dtype (a bare fp32 param beside bf16 ones)."""
     SMALL = "small"
     """The group is below ``replicate_below_bytes``: one all-reduce costs less than an all-gather per use."""
+    CONDITIONAL = "runs for some inputs"
+    """A minority dtype inside a module that runs for some inputs only (a tower's fp32 norms): a group of its own
+    would all-gather on the ranks that run it and not on the others."""
 
 
 class BufferSource(str, Enum):
@@ -158,6 +161,9 @@ class ShardPlan:
     reduce dtype; None: off."""
     context_parallel: int = 1
     """Ranks each sequence is split over (ring attention); params are sharded over the shard ranks times these."""
+    conditional_modules: Tuple[str, ...] = ()
+    """Modules that run for some inputs only (a vision tower, a projector): never units; their params ride in the
+    unit around them, which reduces zeros for the trainable ones a rank did not run (``planning/conditional.py``)."""
     frozen_pinned: Tuple[str, ...] = ()
     """Frozen params held as a frozen module's are (its compute dtype: no fp32 master, no fp32 reduce) where a
     trainable param would get other dtypes: made trainable after setup they would train without what the precision
@@ -285,6 +291,18 @@ class ShardPlan:
             return 0, 0
         total = sum(self.params[p].nbytes for m in self.experts.modules for p in self.params_in(m))
         return total, total // (self.experts.size * expert_shard_ranks)
+
+    @property
+    def conditional_trainable(self) -> Dict[str, Tuple[str, ...]]:
+        """Each conditional module holding trainable sharded params, with those params."""
+        found = {}
+        for module in self.conditional_modules:
+            names = tuple(
+                n for n in self.params_in(module) if self.params[n].requires_grad and not self.params[n].replicated
+            )
+            if names:
+                found[module] = names
+        return found
 
     def params_in(self, module: str) -> List[str]:
         """The params inside ``module`` (canonical names)."""

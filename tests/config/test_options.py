@@ -113,6 +113,7 @@ FLAT_VALUES = {
     "pin_frozen_modules": False,
     "bf16_updates": "kahan",
     "wrap_units": ["Block"],
+    "conditional_modules": [r"vision_tower$"],
     "reshard_after_forward": False,
     "replicate_below_bytes": 0,
     "activation_checkpointing": "full",

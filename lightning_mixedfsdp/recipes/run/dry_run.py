@@ -36,6 +36,7 @@ from lightning_mixedfsdp.planning.memory import (
 )
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import (
+    conditional_lines,
     expert_lines,
     format_bytes,
     format_count,
@@ -84,6 +85,7 @@ def format_summary(
     ]
     if plan.experts is not None:
         lines += expert_lines(plan, expert_shard_ranks=shard // plan.experts.size)
+    lines += conditional_lines(plan, shard_ranks=shard)
     lines += ["training state per rank (activations not included):"]
     lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
     lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
