@@ -289,6 +289,8 @@ class TextCorpus(pl.LightningDataModule):
         self.tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
         self.train_set: Optional[SizedDataset] = None
         self.val_set: Optional[SizedDataset] = None
+        self.collate: Optional[Callable[[List[Any]], Any]] = None
+        """How items become a micro-batch (None: torch's default collate, every item's tensors stacked)."""
 
     @override
     def setup(self, stage: str) -> None:
@@ -329,7 +331,7 @@ class TextCorpus(pl.LightningDataModule):
         sampler = StreamSampler(
             len(dataset), batch, ranks, rank, self.seed, start, self.micro_batches, keyed=self.keyed_stream
         )
-        return StreamLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True)
+        return StreamLoader(dataset, batch_size=batch, sampler=sampler, drop_last=True, collate_fn=self.collate)
 
     keyed_stream = False
     """Whether the training set takes ``(micro-batch, window)`` keys (``StreamSampler``'s ``keyed``)."""
@@ -345,4 +347,5 @@ class TextCorpus(pl.LightningDataModule):
         assert self.val_set is not None
         # an equal share per rank: each forward all-gathers, so a rank with one more batch would wait forever
         windows = len(self.val_set) - len(self.val_set) % ranks
-        return DataLoader(Subset(self.val_set, range(rank, windows, ranks)), batch_size=self.data.batch_size)
+        subset = Subset(self.val_set, range(rank, windows, ranks))
+        return DataLoader(subset, batch_size=self.data.batch_size, collate_fn=self.collate)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -20,7 +21,7 @@ from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
-from lightning_mixedfsdp.recipes.models.hf import build_hf_causal_lm
+from lightning_mixedfsdp.recipes.models.hf import build_hf_model, freeze_matching, freeze_patterns, frozen_summary
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config, reference_model_config
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe
@@ -40,11 +41,14 @@ def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
 
 def build_model(model: ModelSection, peft: PeftSection) -> nn.Module:
     """The recipe's model: the reference model (or its export) on the current device, an HF model on the meta device
-    (the strategy initialises or loads it shard by shard), LoRA-wrapped if asked."""
+    (the strategy initialises or loads it shard by shard), its ``model.freeze`` params frozen, LoRA-wrapped if
+    asked."""
     reference = reference_model_config(model)
     if reference is not None:
-        return TinyLlama(reference)
-    return build_hf_causal_lm(load_hf_config(model.hf_source()), peft.lora_arguments())
+        built = TinyLlama(reference)
+        freeze_matching(built, model.freeze or [])
+        return built
+    return build_hf_model(load_hf_config(model.hf_source()), peft.lora_arguments(), model.freeze)
 
 
 class Schedule(NamedTuple):
@@ -158,6 +162,13 @@ class Objective(pl.LightningModule, ABC):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build_model(self.model_section, self.peft)
+        section = self.model_section
+        patterns = section.freeze or []
+        if reference_model_config(section) is None:
+            patterns = freeze_patterns(load_hf_config(section.hf_source()), section.freeze)
+        said = frozen_summary(self.model, patterns)
+        if said is not None:
+            rank_zero_info(said)
 
     @override
     def on_fit_start(self) -> None:

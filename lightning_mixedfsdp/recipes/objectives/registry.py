@@ -10,6 +10,7 @@ from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
 from lightning_mixedfsdp.recipes.objectives.objective import Objective
 from lightning_mixedfsdp.recipes.objectives.preference import PreferenceTuning
 from lightning_mixedfsdp.recipes.objectives.sft import ChatLM
+from lightning_mixedfsdp.recipes.objectives.vision_sft import VisionChatLM, model_key
 from lightning_mixedfsdp.recipes.settings.inputs import resolved_format
 from lightning_mixedfsdp.recipes.settings.schema import Recipe
 
@@ -18,6 +19,7 @@ OBJECTIVES: Dict[str, Type[Objective]] = {
     "sft": ChatLM,
     "distillation": Distillation,
     "preference": PreferenceTuning,
+    "vision_sft": VisionChatLM,
 }
 """Every objective by the name a recipe gives it; the first that trains a data format is that format's default."""
 
@@ -43,6 +45,14 @@ def objective_problems(recipe: Recipe) -> List[str]:
     """An unknown ``objective``, one that does not train the data's format, keys that ask for another objective, and
     what the objective needs of the recipe, each with the fix."""
     name = recipe.objective
+    image_text = model_key(recipe)
+    chosen = name if name is not None else objective_name(recipe)
+    if image_text is not None and chosen in OBJECTIVES and OBJECTIVES[chosen] is not VisionChatLM:
+        return [
+            f"{image_text} names an image-text model, which trains with objective 'vision_sft' (fine-tuning on"
+            f" image-text chats); objective {chosen!r} is not in place for image-text models: leave objective unset"
+            " (and remove teacher.pretrained / the preference data), or train a causal LM"
+        ]
     if name is None:
         return OBJECTIVES[objective_name(recipe)].recipe_problems(recipe)
     if name not in OBJECTIVES:

@@ -37,6 +37,7 @@ from lightning_mixedfsdp.recipes.data.chat import BYTE_CHAT_TEMPLATE
 from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
 from lightning_mixedfsdp.recipes.data.sft import template_text
 from lightning_mixedfsdp.recipes.data.text import HFTokenizer, TextCorpus
+from lightning_mixedfsdp.recipes.data.vision import VisionCorpus
 from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, build_model
 from lightning_mixedfsdp.recipes.objectives.registry import objective_class
 from lightning_mixedfsdp.recipes.run.checkpoints import RunCheckpoints
@@ -190,8 +191,8 @@ def show_an_answer(recipe: Recipe, datamodule: ChatCorpus) -> None:
 
 
 def export(trainer: pl.Trainer, module: Objective, datamodule: TextCorpus, recipe: Recipe) -> None:
-    """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer,
-    committed together; ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
+    """``export/``: the (merged) weights, ``config.json`` (the reference model's with its code) and the tokenizer (an
+    image-text model's processor), committed together; ``adapter/`` for LoRA. Every rank gathers; rank 0 writes."""
     folder = run_folder(recipe)
     strategy = trainer.strategy
     assert isinstance(strategy, MixedFSDP2Strategy) and module.model is not None
@@ -203,7 +204,9 @@ def export(trainer: pl.Trainer, module: Objective, datamodule: TextCorpus, recip
     def beside_the_weights(directory: Path) -> None:
         if reference is not None:
             write_reference_config(directory, reference, dtype)
-        if isinstance(datamodule.tokenizer, HFTokenizer):
+        if isinstance(datamodule, VisionCorpus):  # AutoProcessor.from_pretrained(export): tokenizer, images, template
+            datamodule.processor.save_pretrained(directory)
+        elif isinstance(datamodule.tokenizer, HFTokenizer):
             datamodule.tokenizer.save_pretrained(directory)
         else:
             own = datamodule.tokenizer.chat_template  # the template of the byte-level export it was read from

@@ -265,12 +265,13 @@ def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
 
 
 def detected_format(record: Any, text_field: str) -> Optional[str]:
-    """The format a ``.jsonl`` record's fields say: ``messages`` -> chat, ``prompt``, ``chosen`` and ``rejected`` ->
-    preference, ``prompt`` and ``completion`` -> instruction, the text field -> text."""
+    """The format a ``.jsonl`` record's fields say: ``messages`` and ``images`` -> vision, ``messages`` -> chat,
+    ``prompt``, ``chosen`` and ``rejected`` -> preference, ``prompt`` and ``completion`` -> instruction, the text
+    field -> text."""
     if not isinstance(record, dict):
         return None
     if "messages" in record:
-        return "chat"
+        return "vision" if "images" in record else "chat"
     if "chosen" in record and "rejected" in record:
         return "preference"
     if "prompt" in record and "completion" in record:
@@ -361,7 +362,8 @@ def input_problems(recipe: Recipe) -> List[str]:
             f" ({'; '.join(custom_code(data.tokenizer))}); set data.trust_remote_code=true if you trust that code, or"
             " point data.tokenizer at a tokenizer transformers loads with its own code"
         )
-    elif vocab is not None:
+    elif vocab is not None and not (data.tokenizer == "bytes" and resolved_format(data) == "vision"):
+        # image-text rows without data.tokenizer take the processor of the model's folder (or the generated task's)
         tokens = tokenizer_vocab_size(data.tokenizer, data.trust_remote_code)
         if tokens > vocab:
             problems.append(

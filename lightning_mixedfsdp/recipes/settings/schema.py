@@ -77,7 +77,14 @@ class ModelSection(TinyLlamaConfig):
     ``model_type``. Built on the meta device and initialised by HF's own init, one wrap unit at a time."""
     pretrained: Optional[str] = None
     """A local HF model directory (``config.json`` and safetensors, one file or sharded with an index) to fine-tune.
-    Rank 0 streams the weights into the shards; the tensors a mixed-dtype checkpoint holds in fp32 stay exact."""
+    Rank 0 streams the weights into the shards; the tensors a mixed-dtype checkpoint holds in fp32 stay exact. An
+    image-text model (any ``AutoModelForImageTextToText`` architecture: Llava, Qwen2-VL, Gemma 3, ...) is built and
+    loaded the same way, with its processor."""
+    freeze: Optional[List[str]] = None
+    """Regular expressions searched in parameter names: the matching params are frozen before the plan (no grad, no
+    optimizer state, held at the compute dtype), e.g. ``[embed_tokens, "layers\\.[0-3]\\."]``. None: an image-text
+    model's vision tower (``vision_tower``, ``vision_model``; Qwen's ``visual`` but its merger, the projector), nothing
+    for other models; ``[]``: nothing."""
 
     def hf_source(self) -> Optional[Any]:
         """The HF config source: ``hf_config``, or the ``pretrained`` directory's config; None for the reference
@@ -112,11 +119,13 @@ class DataSection:
     format: Optional[str] = None
     """``text`` (continued pre-training: the loss on every token), ``chat`` (each ``.jsonl`` line holds ``messages``,
     a list of ``{role, content}``; the loss on the assistant turns), ``instruction`` (``prompt`` and
-    ``completion``; the loss on the completion) or ``preference`` (``prompt``, ``chosen`` and ``rejected``: text, or
-    a list of messages ending with a user turn and one assistant message each; preference tuning). None: detected
+    ``completion``; the loss on the completion), ``preference`` (``prompt``, ``chosen`` and ``rejected``: text, or
+    a list of messages ending with a user turn and one assistant message each; preference tuning) or ``vision``
+    (``messages`` with image parts and ``images``, trl's vision format; an image-text model). None: detected
     from the first ``.jsonl`` line's fields (text files: ``text``). Without ``data.files``, ``chat``, ``instruction``
     and ``preference`` train on questions about the standard library's functions answered by their docstrings (a
-    preference pair's rejected answer: the same words in reverse order)."""
+    preference pair's rejected answer: the same words in reverse order); ``vision`` on generated coloured shapes
+    (``conf/shapes_vlm.yaml``)."""
     packing: bool = True
     """Fine-tuning: pack several conversations into each row of ``seq_len`` tokens, positions restarting at each and
     attention never crossing one; False: one conversation per row, padded (labelled -100). Context parallelism
@@ -387,7 +396,7 @@ def validate_recipe(recipe: Recipe) -> List[str]:
     return problems  # the mesh sizes and the model under them: recipes.loader, as the strategy checks them
 
 
-FORMATS = ("text", "chat", "instruction", "preference")
+FORMATS = ("text", "chat", "instruction", "preference", "vision")
 TOO_LONG = ("truncate", "drop", "error")
 LOGGERS = ("csv", "tensorboard", "wandb")
 
