@@ -14,10 +14,11 @@ from lightning_mixedfsdp.checkpoint.export import SAFETENSORS_INDEX, SINGLE_FILE
 from lightning_mixedfsdp.checkpoint.safetensors_stream import read_header
 from lightning_mixedfsdp.compat.torch import dtensor_with_local, non_persistent_buffer_names, replace_parameter
 from lightning_mixedfsdp.compat.torchao import is_nf4
+from lightning_mixedfsdp.compat.transformers import checkpoint_key_renames
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.distributed.agreement import on_rank_zero
 from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
-from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model
+from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model, user_class
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
 from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.memory import STAGING_BYTES
@@ -139,15 +140,24 @@ def load_full_weights(
         if key == _own_key(name)
     }
     readers: List[CheckpointReader] = []
+    base = hf_base_model(model)
+
+    def _match(reader: "CheckpointReader", renamed: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
+        """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches."""
+        # a tied alias loads its param only when the checkpoint lacks the param's own key
+        in_order = sorted(reader.keys(), key=lambda k: renamed[k] in expected)
+        sources = {from_checkpoint.get(renamed[key], renamed[key]): key for key in in_order}
+        found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
+        return sources, _mismatches(expected, found, strict)
 
     def survey() -> Dict[str, str]:
         """Rank 0: the checkpoint's names, shapes and dtypes against the model's; model name -> checkpoint key."""
         reader = CheckpointReader(path)
         readers.append(reader)
-        # a tied alias loads its param only when the checkpoint lacks the param's own key
-        sources = {from_checkpoint.get(key, key): key for key in sorted(reader.keys(), key=lambda k: k in expected)}
-        found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
-        problems = _mismatches(expected, found, strict)
+        sources, problems = _match(reader, {key: key for key in reader.keys()})
+        rename = checkpoint_key_renames(user_class(base), base.config) if problems and base is not None else None
+        if rename is not None:  # a legacy layout, renamed as from_pretrained renames it
+            sources, problems = _match(reader, {key: rename(key) for key in reader.keys()})
         if problems:
             raise ValueError(f"load_full_weights: {str(path)!r} does not fit the model: {'; '.join(problems)}")
         # model name -> the checkpoint key it loads from, in the model's order
@@ -337,6 +347,12 @@ def _checkpoint_names(model: nn.Module) -> Dict[str, str]:
         if key is not None:
             mapping[key] = own
     return mapping
+
+
+def hf_base_model(model: nn.Module) -> Optional[nn.Module]:
+    """The transformers model a checkpoint's keys name (a PEFT model's base), or None for another model."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    return base if hasattr(base, "config") and hasattr(base, "base_model_prefix") else None
 
 
 def _own_key(name: str) -> str:

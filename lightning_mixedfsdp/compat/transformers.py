@@ -1,11 +1,13 @@
-"""Every transformers API the library's expert parallelism uses, each behind one small function.
+"""Every transformers API the library uses beyond its public model classes (expert parallelism, checkpoint key
+renames), each behind one small function.
 
-Checked on transformers 5.23 (``transformers/distributed/expert_parallel.py``, ``parallel_utils.py``, ``mixin.py``).
-transformers is optional: these import it only when called.
+Checked on transformers 5.23 and 5.24 (``transformers/distributed/expert_parallel.py``, ``parallel_utils.py``,
+``mixin.py``, ``conversion_mapping.py``, ``core_model_loading.py``). transformers is optional: these import it only
+when called.
 """
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
@@ -48,3 +50,33 @@ def all_to_all_module() -> Any:
     import transformers.distributed.expert_parallel as module
 
     return module
+
+
+def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[[str], str]]:
+    """The renames ``from_pretrained`` applies to checkpoint keys for a ``model_class`` of ``config`` (None when there
+    are none): a folder saved in a legacy layout, as transformers 5 still saves Llava (``language_model.model.*``),
+    loads into the model's own names (``model.language_model.*``). Only renames: a key the model's conversions would
+    also convert (fused experts) keeps its name, and a load that needs it says which keys are missing.
+
+    The renames are read off a shell of the model built on the meta device: transformers skips its mappings for a
+    class it takes for custom code, as it takes FSDP's dynamic ``FSDP<Name>`` subclass. Internal
+    ``conversion_mapping.get_model_conversion_mapping`` and ``core_model_loading.rename_source_key`` (transformers
+    5.x; 4.x has neither: None)."""
+    import torch
+
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return None
+    if not issubclass(model_class, PreTrainedModel):
+        return None
+    with torch.device("meta"):
+        shell = model_class._from_config(config)
+    renamings = [t for t in get_model_conversion_mapping(shell) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return None
+    meta = dict.fromkeys(shell.state_dict())
+    prefix = shell.base_model_prefix
+    return lambda key: str(rename_source_key(key, renamings, [], prefix, meta)[0])

@@ -156,6 +156,8 @@ class ActivationShape:
 
     @classmethod
     def of_config(cls, config: Any) -> "ActivationShape":
+        # an image-text model's language model makes the sequence's activations (its tower's are per image)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

@@ -125,7 +125,8 @@ def conditional_lines(plan: ShardPlan, shard_ranks: Optional[int] = None) -> Lis
     for module in plan.conditional_modules:
         params = [plan.params[name] for name in plan.params_in(module)]
         trainable = sum(math.prod(p.shape) for p in params if p.requires_grad)
-        state = f"trainable ({format_count(trainable)} params)" if trainable else "frozen"
+        total = sum(math.prod(p.shape) for p in params)
+        state = f"trainable ({format_count(trainable)} of {format_count(total)} params)" if trainable else "frozen"
         sharded = sum(p.nbytes for p in params if not p.replicated)
         replicated = sum(p.nbytes for p in params if p.replicated)
         size = format_bytes(sharded + replicated)

@@ -34,11 +34,15 @@ def freeze_patterns(hf_config: Any, freeze: Optional[Sequence[str]]) -> List[str
 
 
 def build_hf_model(
-    hf_config: Any, lora: Optional[Dict[str, Any]] = None, freeze: Optional[Sequence[str]] = None
+    hf_config: Any,
+    lora: Optional[Dict[str, Any]] = None,
+    freeze: Optional[Sequence[str]] = None,
+    lora_key: str = "peft.enabled=true",
 ) -> nn.Module:
     """``AutoModelForCausalLM`` (or ``AutoModelForImageTextToText``) ``.from_config(hf_config)`` on the meta device,
     the params matching ``freeze_patterns(hf_config, freeze)`` frozen; with ``lora`` (``peft.LoraConfig``'s
-    arguments) wrapped by ``peft.get_peft_model``, no adapter on a frozen module."""
+    arguments) wrapped by ``peft.get_peft_model``, no adapter on a frozen module (``lora_key``: what asked for the
+    adapters, as a missing peft is reported)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     patterns = freeze_patterns(hf_config, freeze)
@@ -47,7 +51,7 @@ def build_hf_model(
         built = auto.from_config(hf_config)
         freeze_matching(built, patterns)
         if lora is not None:
-            with optional_import("peft", "peft.enabled=true"):
+            with optional_import("peft", lora_key):
                 from peft import LoraConfig, get_peft_model
 
             if patterns:  # peft matches the whole module name against a string

@@ -19,11 +19,11 @@ import time
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
+from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
-from lightning_mixedfsdp.compat.extras import MissingPackage, optional_import
+from lightning_mixedfsdp.compat.extras import MissingPackage
 from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
 from lightning_mixedfsdp.mesh import ParallelDims
 from lightning_mixedfsdp.planning.memory import (
@@ -43,23 +43,23 @@ from lightning_mixedfsdp.planning.report import (
     format_plan,
 )
 from lightning_mixedfsdp.planning.types import ShardPlan
+from lightning_mixedfsdp.recipes.models.hf import build_hf_model
 from lightning_mixedfsdp.recipes.run.loader import in_recipe_keys, load_recipe
 from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config
 
 
-def build_on_meta(config: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def with_lora(model: nn.Module, rank: int, targets: Optional[List[str]]) -> nn.Module:
-    """peft LoRA adapters of ``rank`` on ``targets`` (default: every Linear but the head), built on meta too."""
-    with optional_import("peft", "--lora-rank"):
-        from peft import LoraConfig, get_peft_model
-
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or "all-linear"))
+def build_on_meta(
+    config: Any,
+    freeze: Optional[List[str]] = None,
+    lora_rank: Optional[int] = None,
+    targets: Optional[List[str]] = None,
+) -> nn.Module:
+    """The model of ``config`` on meta (a causal LM, or an image-text model with its tower frozen unless ``freeze``
+    says otherwise), with peft LoRA adapters of ``lora_rank`` on ``targets`` (default: every Linear but the head)."""
+    lora = None
+    if lora_rank is not None:
+        lora = dict(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets or "all-linear")
+    return build_hf_model(config, lora, freeze, lora_key="--lora-rank")
 
 
 def dry_run(
@@ -158,6 +158,12 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--expert-parallel", type=int, default=None, help="expert_parallel_size (overrides the recipe's); default 1"
     )
+    parser.add_argument(
+        "--freeze",
+        nargs="*",
+        default=None,
+        help="regexes of param names to freeze (model.freeze); default: an image-text model's vision tower",
+    )
     parser.add_argument("--lora-rank", type=int, default=None, help="plan peft LoRA adapters of this rank")
     parser.add_argument("--lora-targets", nargs="+", default=None, help="LoRA target modules; default all Linears")
     parser.add_argument("--quantize-base", choices=["nf4"], default=None, help="4-bit frozen base (QLoRA)")
@@ -185,6 +191,8 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config = recipe.mixed_fsdp_config()
         precision, replicate = recipe.trainer.precision, recipe.strategy.parallelism.data_parallel_replicate_size
         hf_source = hf_source or recipe.model.hf_source()
+        if args.freeze is None:
+            args.freeze = recipe.model.freeze
         if recipe.peft.enabled and args.lora_rank is None:
             args.lora_rank, args.lora_targets = recipe.peft.r, args.lora_targets or list(recipe.peft.target_modules)
     precision = args.precision or precision
@@ -252,17 +260,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = _parse(argv)
     hf_config, config, precision, replicate = _settings(args)
     start = time.perf_counter()
-    model = build_on_meta(hf_config)
-    if args.lora_rank is not None:
-        try:
-            model = with_lora(model, args.lora_rank, args.lora_targets)
-        except MissingPackage as missing:
-            raise SystemExit(f"python -m lightning_mixedfsdp.plan: {missing}") from None
+    try:
+        model = build_on_meta(hf_config, args.freeze, args.lora_rank, args.lora_targets)
+    except MissingPackage as missing:
+        raise SystemExit(f"python -m lightning_mixedfsdp.plan: {missing}") from None
     context = config.parallelism.context_parallel_size
     refused = context_parallel_problems(model, context)  # what the pipeline refuses at setup
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
+    refused = conditional_problems(plan, context, fault_tolerant=config.fault_tolerance is not None)
+    if refused:
+        raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
