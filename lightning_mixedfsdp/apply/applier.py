@@ -121,12 +121,7 @@ def apply_plan(
     apply_fully_shard_groups(index, plan, meshes, options, ignored)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)
     reducer, tracker = apply_step_tracking(model, replicas, meshes, handles)
-    synced = lambda: reducer.requires_gradient_sync  # noqa: E731  the strategy's gradient-sync switch
-    conditional = apply_conditional_reduction(plan, index, meshes.replicas.get_group(), synced)
-    if conditional is not None:
-        handles.extend(conditional.attach(index))
-        tracker.on_backward_end(conditional.on_backward_end)
-        tracker.on_reset(conditional.reset)
+    handles.extend(apply_conditional_tracking(plan, index, meshes, reducer, tracker))
     handles.extend(apply_unfreeze_check(model, plan.frozen_pinned, plan.bulk))
     if meshes.context_parallel is not None:
         rotate = options.parallelism.context_parallel_rotate
@@ -218,6 +213,20 @@ def apply_step_tracking(
         tracker.on_reset(lambda: reset_fsdp_step(model))
     handles.extend(tracker.attach(model))
     return reducer, tracker
+
+
+def apply_conditional_tracking(
+    plan: ShardPlan, index: ModuleIndex, meshes: ParallelMeshes, reducer: ReplicatedGradReducer, tracker: StepTracker
+) -> List[RemovableHandle]:
+    """Trainable params of modules that run for some inputs only reduce zeros where they did not run, and get no grad
+    after a step no rank ran them (``conditional.py``); gradient sync follows the replicated reducer's switch."""
+    synced = lambda: reducer.requires_gradient_sync  # noqa: E731  the strategy's gradient-sync switch
+    conditional = apply_conditional_reduction(plan, index, meshes.replicas.get_group(), synced)
+    if conditional is None:
+        return []
+    tracker.on_backward_end(conditional.on_backward_end)
+    tracker.on_reset(conditional.reset)
+    return conditional.attach(index)
 
 
 def apply_activation_checkpointing(model: nn.Module, units: Sequence[str]) -> None:

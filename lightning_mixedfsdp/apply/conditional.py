@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.compat.torch import can_reduce_unused_params, reduce_unused_params
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, join_name
+from lightning_mixedfsdp.planning.conditional import conditional_trainable
 from lightning_mixedfsdp.planning.types import ShardPlan
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def conditional_problems(plan: ShardPlan, context_parallel: int, fault_tolerant:
             f"expert_parallel_size={plan.experts.size} with modules that run for some inputs only ({named}) is"
             " untested. Set expert_parallel_size=1 for this model."
         )
-    trainable = list(plan.conditional_trainable)
+    trainable = list(conditional_trainable(plan))
     if trainable and not can_reduce_unused_params():
         problems.append(
             f"{', '.join(trainable)} run for some inputs only and train: a rank whose inputs skip them must reduce"
@@ -105,7 +106,7 @@ def apply_conditional_reduction(
     """After ``fully_shard``: the FSDP groups that hold trainable conditional params reduce zeros for them where they
     did not run, and a :class:`ConditionalRuns` (returned, to attach) clears their grads after a step no rank ran
     them. None when the plan has no trainable conditional param."""
-    trainable = plan.conditional_trainable
+    trainable = conditional_trainable(plan)
     if not trainable:
         return None
     holders = {plan.params[name].group for names in trainable.values() for name in names}

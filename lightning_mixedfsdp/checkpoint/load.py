@@ -143,12 +143,7 @@ def load_full_weights(
     base = hf_base_model(model)
 
     def _match(reader: "CheckpointReader", renamed: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
-        """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches."""
-        # a tied alias loads its param only when the checkpoint lacks the param's own key
-        in_order = sorted(reader.keys(), key=lambda k: renamed[k] in expected)
-        sources = {from_checkpoint.get(renamed[key], renamed[key]): key for key in in_order}
-        found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
-        return sources, _mismatches(expected, found, strict)
+        return _matched_keys(reader, renamed, expected, from_checkpoint, strict)
 
     def survey() -> Dict[str, str]:
         """Rank 0: the checkpoint's names, shapes and dtypes against the model's; model name -> checkpoint key."""
@@ -347,6 +342,21 @@ def _checkpoint_names(model: nn.Module) -> Dict[str, str]:
         if key is not None:
             mapping[key] = own
     return mapping
+
+
+def _matched_keys(
+    reader: "CheckpointReader",
+    renamed: Dict[str, str],
+    expected: Dict[str, TensorFacts],
+    from_checkpoint: Dict[str, str],
+    strict: bool,
+) -> Tuple[Dict[str, str], List[str]]:
+    """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches."""
+    # a tied alias loads its param only when the checkpoint lacks the param's own key
+    in_order = sorted(reader.keys(), key=lambda k: renamed[k] in expected)
+    sources = {from_checkpoint.get(renamed[key], renamed[key]): key for key in in_order}
+    found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
+    return sources, _mismatches(expected, found, strict)
 
 
 def hf_base_model(model: nn.Module) -> Optional[nn.Module]:

@@ -4,10 +4,11 @@ of its own: it is never an FSDP unit, and its params ride in the unit around it,
 module names."""
 
 import re
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_mixedfsdp.config import DEFAULT_CONDITIONAL_MODULES
 from lightning_mixedfsdp.model.names import ModuleIndex, is_within
+from lightning_mixedfsdp.planning.types import ShardPlan
 
 
 def find_conditional_modules(index: ModuleIndex, patterns: Optional[Sequence[str]]) -> List[str]:
@@ -26,3 +27,15 @@ def without_conditional_units(units: Sequence[str], conditional: Sequence[str]) 
     """``units`` less those inside (or equal to) a conditional module: a unit all-gathers when it runs, so a unit that
     runs on some ranks only would pair its collectives with another rank's next ones."""
     return [unit for unit in units if not any(is_within(unit, module) for module in conditional)]
+
+
+def conditional_trainable(plan: ShardPlan) -> Dict[str, Tuple[str, ...]]:
+    """Each conditional module of ``plan`` holding trainable sharded params, with those params (the replicated ones
+    reduce with presence flags of their own)."""
+    found = {}
+    for module in plan.conditional_modules:
+        params = [plan.params[name] for name in plan.params_in(module)]
+        names = tuple(p.name for p in params if p.requires_grad and not p.replicated)
+        if names:
+            found[module] = names
+    return found

@@ -98,24 +98,15 @@ def plan_model(
     frozen = find_frozen_modules(model, index) if options.dtypes.pin_frozen_modules else []
     experts = _expert_plan(model, index, options)
     conditional = find_conditional_modules(index, options.sharding.conditional_modules)
-    units = without_conditional_units(_units(index, options.sharding.wrap_units, experts), conditional)
+    units = _units(index, options.sharding.wrap_units, experts, conditional)
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     keys = {name: param_key(p, name in matches, bulk, inside(name, frozen)) for name, p in params.items()}
     frozen_pinned = tuple(n for n, p in params.items() if keys[n] != param_key(p, n in matches, bulk))
-    groups, group_of = plan_groups(
-        index, params, keys, matches, units, bulk, options.sharding.replicate_below_bytes, conditional
-    )
+    replicate_below = options.sharding.replicate_below_bytes
+    groups, group_of = plan_groups(index, params, keys, matches, units, bulk, replicate_below, conditional)
     if experts is not None:
         groups = mark_expert_groups(groups, experts, type(model).__name__)
-    quantized, not_quantized = plan_quantization(
-        model,
-        index,
-        options.memory.quantize_base,
-        shard_ranks,
-        matches.rule_of.keys(),
-        {name for g in groups if g.replicated for name in g.params},
-        experts.modules if experts is not None else (),
-    )
+    quantized, not_quantized = _quantization(model, index, options, shard_ranks, matches, groups, experts)
     param_plans = _param_plans(params, keys, groups, group_of, matches, quantized)
     if mixed_dtype_groups:
         groups, param_plans = one_group_per_unit(groups, param_plans)
@@ -144,6 +135,27 @@ def plan_model(
     )
 
 
+def _quantization(
+    model: nn.Module,
+    index: ModuleIndex,
+    options: PlanOptions,
+    shard_ranks: int,
+    matches: KeepFp32Matches,
+    groups: List[ShardGroup],
+    experts: Optional[ExpertPlan],
+) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """The frozen weights stored in 4 bits, and those left out with the reason (``quantization.py``)."""
+    return plan_quantization(
+        model,
+        index,
+        options.memory.quantize_base,
+        shard_ranks,
+        matches.rule_of.keys(),
+        {name for g in groups if g.replicated for name in g.params},
+        experts.modules if experts is not None else (),
+    )
+
+
 def _float8_choices(model: nn.Module, index: ModuleIndex, float8: Float8, matches: KeepFp32Matches) -> Any:
     include, exclude = tuple(float8.include), tuple(float8.exclude)
     return plan_float8(model, index, float8.recipe, float8.skip_small, include, exclude, pinned=matches.rule_of.keys())
@@ -154,9 +166,12 @@ def _expert_plan(model: nn.Module, index: ModuleIndex, options: PlanOptions) -> 
     return plan_experts(model, index, size, options.parallelism.expert_parallel_plan) if size > 1 else None
 
 
-def _units(index: ModuleIndex, wrap_units: Optional[Sequence[str]], experts: Optional[ExpertPlan]) -> List[str]:
-    """The wrap units, children before parents; under expert parallelism each experts module is one too."""
-    units = find_wrap_units(index, wrap_units)
+def _units(
+    index: ModuleIndex, wrap_units: Optional[Sequence[str]], experts: Optional[ExpertPlan], conditional: Sequence[str]
+) -> List[str]:
+    """The wrap units, children before parents, none inside a conditional module; under expert parallelism each
+    experts module is one too."""
+    units = without_conditional_units(find_wrap_units(index, wrap_units), conditional)
     if experts is None:
         return units
     order = {name: position for position, (name, _) in enumerate(index.named_modules())}

@@ -292,18 +292,6 @@ class ShardPlan:
         total = sum(self.params[p].nbytes for m in self.experts.modules for p in self.params_in(m))
         return total, total // (self.experts.size * expert_shard_ranks)
 
-    @property
-    def conditional_trainable(self) -> Dict[str, Tuple[str, ...]]:
-        """Each conditional module holding trainable sharded params, with those params."""
-        found = {}
-        for module in self.conditional_modules:
-            names = tuple(
-                n for n in self.params_in(module) if self.params[n].requires_grad and not self.params[n].replicated
-            )
-            if names:
-                found[module] = names
-        return found
-
     def params_in(self, module: str) -> List[str]:
         """The params inside ``module`` (canonical names)."""
         return [n for n in self.params if is_within(n, module)]

@@ -11,6 +11,7 @@ from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 from lightning_mixedfsdp.apply import conditional
 from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.compat.torch import can_reduce_unused_params
+from lightning_mixedfsdp.planning.conditional import conditional_trainable
 from lightning_mixedfsdp.testing import run_distributed
 from tests.hf_models import tiny_vlm, vlm_row
 from tests.scenarios import describe_params, full_params, make_fabric
@@ -147,7 +148,7 @@ def test_the_plan_keeps_towers_out_of_units_and_replicates_their_fp32_norms() ->
     assert tower_norms.replicated and "model.vision_tower.post_layernorm" in tower_norms.modules
     # the cast boundary wraps the norms, never a container whose other params sit in bf16
     assert all(m.endswith(("layer_norm1", "layer_norm2", "post_layernorm", "layernorm")) for m in tower_norms.modules)
-    assert list(plan.conditional_trainable) == ["model.multi_modal_projector"]
+    assert list(conditional_trainable(plan)) == ["model.multi_modal_projector"]
 
 
 def test_context_parallelism_is_refused_with_modules_that_run_for_some_inputs() -> None:

@@ -11,6 +11,7 @@ processor then expands each placeholder into the model's image tokens, which sta
 image features are placed by the positions of image tokens, and the models' packed-sequence masks do not cover them.
 A row longer than ``data.seq_len`` is cut only after its last image token (else left out)."""
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ TEXT_KEYS = ("input_ids", "labels")
 with 0, and its per-image outputs (``pixel_values``, ``image_grid_thw``) only in rows with images."""
 NOT_MODEL_INPUTS = ("labels", "step_tokens", "has_image")
 IMAGE_OR_TEXT = ("image", "text")
+GENERATED_CHECKED = 200
+"""Rows of the generated task made before launch (each rank makes all of them at setup)."""
 
 
 @dataclass
@@ -211,11 +214,13 @@ def expand_labels(short_ids: List[int], short_labels: List[int], ids: List[int],
     return labels
 
 
-def vision_examples(data: DataSection, maker: VisionExampleMaker) -> Splits[VisionExample]:
-    """Every record made an example and fitted to ``data.seq_len`` (see :func:`split_records`)."""
+def vision_examples(data: DataSection, maker: VisionExampleMaker, limit: Optional[int] = None) -> Splits[VisionExample]:
+    """Every record made an example and fitted to ``data.seq_len`` (see :func:`split_records`); the first ``limit``
+    records only, when given."""
+    records = vision_records(data)
     return split_records(
         data,
-        vision_records(data),
+        records if limit is None else itertools.islice(records, limit),
         maker,
         lambda example, splits: _fit(example, data.seq_len, data.too_long, maker.image_token_id, splits),
         lambda example: len(example.ids),
@@ -385,7 +390,8 @@ def vision_data_problems(
             f" and the model's config expects image_token_id={image_token}; use the model's own processor, or set"
             " the config's image_token_id to the processor's"
         )
-    splits = vision_examples(data, maker)
+    # the generated task's rows are alike and known good: its first rows say whether they fit data.seq_len
+    splits = vision_examples(data, maker, limit=None if data.files else GENERATED_CHECKED)
     problems += splits.problems
     if splits.too_long and data.too_long == "error":
         problems.append(
