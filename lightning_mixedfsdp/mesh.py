@@ -78,6 +78,9 @@ class ParallelMeshes:
     """The ranks one batch's sequences are split over, when ``context_parallel_size > 1``."""
     experts: Optional[ExpertMeshes] = None
     """The expert meshes when ``expert_parallel_size > 1``."""
+    outer: Optional["DeviceMesh"] = None
+    """Semi-synchronous replicas (``replicate_sync``): the replicate dim the outer sync runs over, each replica then
+    sharded over its own shard ranks alone. None: every gradient crosses the replicate dim every step."""
 
     @property
     def replicas(self) -> "DeviceMesh":
@@ -252,6 +255,14 @@ class ParallelDims:
         if self.expert_parallel > 1:
             meshes = replace(meshes, experts=expert_meshes(self, device_type, meshes.root[TENSOR_PARALLEL]))
         return meshes
+
+
+def semi_synchronous(meshes: ParallelMeshes) -> ParallelMeshes:
+    """HSDP ``meshes`` for semi-synchronous replicas: FSDP shards over each replica's shard ranks alone (no gradient
+    crosses the replicate dim), replicated params are averaged there too, and the outer sync runs over the replicate
+    dim. The samplers keep every data-parallel rank: each replica trains on its own part of the data."""
+    shard = meshes.root[DP_SHARD]
+    return replace(meshes, fsdp=shard, gradient=shard, outer=meshes.root[DP_REPLICATE])
 
 
 def _resolved_sizes(

@@ -21,6 +21,7 @@ from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
+from lightning_mixedfsdp.apply.semi_sync import semi_sync_problems
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
@@ -71,7 +72,7 @@ def shard_model(
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
-    problems = conditional_problems(plan, config.parallelism.context_parallel_size, cross_replica_reduce is not None)
+    problems = setup_problems(plan, config, cross_replica_reduce is not None)
     if problems:  # the same plan on every rank: every rank raises the same, before any collective
         raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(problems))
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
@@ -99,6 +100,20 @@ def shard_model(
         applied.handles.extend(install_leak_check(module, plan.bulk.compute, plan.keep_fp32_modules))
     _SET_UP.add(module)
     return ShardedModel(module, applied)
+
+
+def setup_problems(plan: ShardPlan, config: MixedFSDPConfig, fault_tolerant: bool) -> List[str]:
+    """What the plan cannot run with the config's parallelism: modules that run for some inputs only
+    (``conditional.py``), semi-synchronous replicas (``semi_sync.py``)."""
+    parallelism = config.parallelism
+    problems = conditional_problems(plan, parallelism.context_parallel_size, fault_tolerant)
+    return problems + semi_sync_problems(
+        parallelism.replicate_sync,
+        fault_tolerant or config.fault_tolerance is not None,
+        parallelism.context_parallel_size,
+        parallelism.expert_parallel_size,
+        config.memory.offload,
+    )
 
 
 class ShardedModels:
@@ -143,6 +158,13 @@ class ShardedModels:
                 applied.buffers.average()
             for action in applied.after_step:
                 action()
+
+    def before_optimizer_step(self) -> None:
+        """What precedes each optimizer step (the strategies call this): semi-synchronous replicas take their outer
+        state's starting point."""
+        for applied in list(self._applied.values()):
+            if applied.outer is not None:
+                applied.outer.before_step()
 
     def set_requires_gradient_sync(self, module: nn.Module, requires_sync: bool) -> None:
         from torch.distributed.fsdp import FSDPModule

@@ -35,9 +35,10 @@ from lightning_mixedfsdp.apply.replicate import (
     fsdp_gradient_divide_factor,
     replicate_params,
 )
+from lightning_mixedfsdp.apply.semi_sync import OuterSync
 from lightning_mixedfsdp.apply.unfreeze import apply_unfreeze_check
 from lightning_mixedfsdp.compat.torch import checkpoint_wrapper, replace_buffer
-from lightning_mixedfsdp.config import BufferSyncMode
+from lightning_mixedfsdp.config import BufferSyncMode, Parallelism
 from lightning_mixedfsdp.mesh import ExpertMeshes, ParallelMeshes
 from lightning_mixedfsdp.model.names import ModuleIndex, canonical_name, is_hf_model, is_peft_model
 from lightning_mixedfsdp.planning.planner import fsdp_groups_can_mix_dtypes
@@ -62,7 +63,9 @@ class AppliedPlan:
     buffers: Optional[BufferSync] = None
     """The buffers kept equal on every data-parallel rank, and how."""
     after_step: List[Callable[[], None]] = field(default_factory=list)
-    """What runs after every optimizer step (the float8 all-gather's scales)."""
+    """What runs after every optimizer step (the float8 all-gather's scales, the outer sync)."""
+    outer: Optional[OuterSync] = None
+    """Semi-synchronous replicas' outer sync (``replicate_sync``), None when every step syncs."""
 
     def remove_hooks(self) -> None:
         """Remove every hook the plan installed and undo the adaptations of modules that are no FSDP group."""
@@ -130,9 +133,30 @@ def apply_plan(
     if cross_replica_reduce is not None:
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
-    if float8_after_step is not None:
-        applied.after_step.append(float8_after_step)
+    applied.after_step.extend([float8_after_step] if float8_after_step is not None else [])
+    applied.outer = apply_outer_sync(model, meshes.outer, options.parallelism, device) if meshes.outer else None
+    applied.after_step.extend([applied.outer.after_step] if applied.outer is not None else [])
     return model, applied
+
+
+def apply_outer_sync(
+    model: nn.Module, outer: "DeviceMesh", parallelism: Parallelism, device: torch.device
+) -> OuterSync:
+    """Local SGD or DiLoCo over the replicate dim for the model's trainable params (after ``fully_shard``: its
+    shards), the outer state where ``outer_state`` says."""
+    method = parallelism.replicate_sync
+    assert method != "every_step"  # the meshes are semi-synchronous only when asked
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return OuterSync(
+        trainable,
+        outer.get_group(),
+        method,
+        parallelism.sync_every,
+        parallelism.outer_lr,
+        parallelism.outer_momentum,
+        parallelism.outer_nesterov,
+        torch.device("cpu") if parallelism.outer_state == "cpu" else device,
+    )
 
 
 def apply_context_parallel_hooks(

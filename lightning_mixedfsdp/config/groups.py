@@ -46,6 +46,8 @@ QuantizeBase = Literal["nf4"]
 Float8Recipe = Literal["tensorwise", "rowwise"]
 Offload = Literal["cpu"]
 RotateMethod = Literal["allgather", "alltoall"]
+ReplicateSync = Literal["every_step", "local_sgd", "diloco"]
+OuterState = Literal["cpu", "device"]
 MeshSize = Union[Literal["auto"], int]
 """A mesh degree: an int >= 1, or ``"auto"`` (Lightning's word for what the other degrees leave)."""
 
@@ -319,6 +321,12 @@ class Parallelism(OptionGroup):
             "context_parallel_rotate",
             "expert_parallel_size",
             "expert_parallel_plan",
+            "replicate_sync",
+            "sync_every",
+            "outer_lr",
+            "outer_momentum",
+            "outer_nesterov",
+            "outer_state",
         )
     }
 
@@ -356,7 +364,43 @@ class Parallelism(OptionGroup):
     numbers: ``{"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.mlp.experts.gate_up_proj":
     "grouped_gemm", ...}``. ``None``: the plan the HF model declares (``config.base_model_ep_plan``)."""
 
+    replicate_sync: ReplicateSync = "every_step"
+    """How HSDP's replicas (``data_parallel_replicate_size``) stay in step: ``"every_step"`` (every gradient
+    all-reduced across them every step), ``"local_sgd"`` (each replica takes ``sync_every`` optimizer steps alone,
+    then the replicas' params are averaged) or ``"diloco"`` (then the replicas' pseudo-gradients, the global copy
+    minus their params, are averaged and applied to the global copy by Nesterov SGD, which every replica takes). Between
+    syncs nothing crosses the replicate dim; the shard dim keeps FSDP's every-step reduce-scatter."""
+
+    sync_every: int = field(default=20, metadata={MINIMUM: 1})
+    """Optimizer steps between syncs of ``local_sgd`` and ``diloco`` (DiLoCo's H): a sync follows the optimizer step
+    of steps H, 2H, ..."""
+
+    outer_lr: float = field(default=0.7, metadata={ABOVE: 0})
+    """DiLoCo's outer learning rate (its paper's 0.7)."""
+
+    outer_momentum: float = field(default=0.9, metadata={MINIMUM: 0})
+    """DiLoCo's outer momentum (0.9); below 1."""
+
+    outer_nesterov: bool = True
+    """DiLoCo's outer step with Nesterov momentum."""
+
+    outer_state: OuterState = "cpu"
+    """Where DiLoCo's fp32 global copy and momentum live (each rank its own shard's): ``"cpu"`` (host memory, as
+    INTELLECT-1 kept it) or ``"device"``."""
+
     def semantic_problems(self) -> List[str]:
+        problems = []
+        if self.replicate_sync != "every_step" and self.data_parallel_replicate_size == 1:
+            problems.append(
+                f"replicate_sync={self.replicate_sync!r} syncs HSDP replicas every sync_every steps, and"
+                " data_parallel_replicate_size=1 has none; set data_parallel_replicate_size >= 2 (e.g. one replica per"
+                " node), or replicate_sync='every_step'."
+            )
+        if isinstance(self.outer_momentum, float) and self.outer_momentum >= 1:
+            problems.append(f"outer_momentum={self.outer_momentum!r} must be below 1 (DiLoCo's is 0.9).")
+        return problems + self._expert_plan_problems()
+
+    def _expert_plan_problems(self) -> List[str]:
         styles = (EXPERTS_STYLE, SPLIT_STYLE)
         plan: Any = self.expert_parallel_plan
         if not isinstance(plan, Mapping):

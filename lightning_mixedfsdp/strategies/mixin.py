@@ -17,7 +17,7 @@ from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
-from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes
+from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, semi_synchronous
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
@@ -124,6 +124,8 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         super().setup_environment()  # type: ignore[misc]
         destroy_process_group_at_exit()
         self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
+        if parallelism.replicate_sync != "every_step":
+            self._meshes = semi_synchronous(self._meshes)
         self._device_mesh = self._meshes.root
         rotate = self._config.parallelism.context_parallel_rotate
         self._context_parallel = ContextParallel(self._meshes.context_parallel, rotate)
@@ -190,9 +192,14 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
             # the bf16 params' write-back first: the hooks after it see the step's params
             method = self._config.dtypes.bf16_updates
             install_bf16_updates(optimizer, method, _run_seed, type(self).__name__)
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._watched.add(optimizer)
             self._optimizer_order.append(weakref.ref(optimizer))
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        if not self._making_optimizer_state:
+            self._sharded.before_optimizer_step()
 
     def _after_optimizer_step(self, *_: Any) -> None:
         if not self._making_optimizer_state:

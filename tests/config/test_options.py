@@ -135,6 +135,12 @@ FLAT_VALUES = {
     "context_parallel_rotate": "alltoall",
     "expert_parallel_size": 2,
     "expert_parallel_plan": {"layers.*.experts": "ep_dispatch_experts"},
+    "replicate_sync": "diloco",
+    "sync_every": 5,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.8,
+    "outer_nesterov": False,
+    "outer_state": "device",
     "print_report": True,
     "check_dtype_leaks": True,
     "nonfinite_check": "device_assert",
@@ -150,8 +156,13 @@ def test_every_flat_name_has_a_value_here() -> None:
 def test_a_flat_name_reaches_its_group_in_configs_keywords_and_recipes(flat: str) -> None:
     value = FLAT_VALUES[flat]
     group, option = flat_names()[flat]
-    needs = {"float8": "tensorwise"} if flat.startswith("float8_") else {}  # float8's options need its recipe
-    expected = MixedFSDPConfig(**{group: {option: value, **({"recipe": "tensorwise"} if needs else {})}})
+    # float8's options need its recipe, a replicate sync replicas
+    needs, in_group = {}, {}
+    if flat.startswith("float8_"):
+        needs, in_group = {"float8": "tensorwise"}, {"recipe": "tensorwise"}
+    elif flat == "replicate_sync":
+        needs = in_group = {"data_parallel_replicate_size": 2}
+    expected = MixedFSDPConfig(**{group: {option: value, **in_group}})
     recipe_value = "[" + ",".join(value) + "]" if isinstance(value, list) else value
     recipe_overrides = [f"strategy.{flat}={recipe_value}", *(f"strategy.{k}={v}" for k, v in needs.items())]
     configs = [

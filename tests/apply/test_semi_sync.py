@@ -1,0 +1,197 @@
+"""Semi-synchronous replicas (``replicate_sync``): local SGD and DiLoCo across HSDP's replicate dim on real
+``fully_shard``ed models, against their formulas written out here, against every-step sync, and for a bf16 param whose
+averaged change is below its spacing (an fp32 global copy keeps it; a bf16 one loses it)."""
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mixedfsdp.apply.semi_sync import semi_sync_problems
+from lightning_mixedfsdp.testing import run_distributed
+from tests.scenarios import full_params, make_fabric
+
+STEPS = 4
+SYNC_EVERY = 2
+LR = 0.05
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def loss_of(model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    return model(inputs).square().mean()
+
+
+def strategy(replicate: int, **settings: Any) -> Any:
+    from lightning_mixedfsdp.strategies.fabric import MixedFSDP2Strategy
+
+    return MixedFSDP2Strategy(data_parallel_replicate_size=replicate, **settings)
+
+
+def _train(rank: int, world_size: int, replicate: int, settings: Dict[str, Any]) -> Dict[str, Any]:
+    """SGD steps on this rank's batches; every rank's full params after each step (its replica's)."""
+    fabric = make_fabric(world_size, "32-true", strategy=strategy(replicate, **settings))
+    model = fabric.setup(mlp())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    after = []
+    for step in range(STEPS):
+        fabric.backward(loss_of(model, batch(rank, step)))
+        optimizer.step()
+        optimizer.zero_grad()
+        after.append(full_params(model))
+    return {"after": after, "sync_mesh": tuple(fabric.strategy.meshes.fsdp.shape)}
+
+
+def _bf16_below_spacing(rank: int, world_size: int, state_dtype: torch.dtype) -> List[float]:
+    """One bf16 weight of 1.0 (spacing 2**-7 above it, 2**-8 below); replica 0's SGD step moves it down by one
+    spacing, replica 1's not at all: the averaged change times the outer lr (0.1) is 0.1 of the spacing below 1.0."""
+    from lightning_mixedfsdp.apply.semi_sync import OuterSync
+
+    settings = dict(replicate_sync="diloco", sync_every=1, outer_lr=0.1, outer_momentum=0.0, outer_nesterov=False)
+    fabric = make_fabric(world_size, "bf16-true", strategy=strategy(2, keep_fp32_modules=[], **settings))
+    with torch.device("meta"):
+        layer = nn.Linear(1, 1, bias=False)
+    model = fabric.setup(layer)
+    sharded = fabric.strategy._sharded
+    applied = next(iter(sharded._applied.values()))
+    if state_dtype != torch.float32:  # the control: the global copy held in the param's dtype
+        outer = applied.outer
+        applied.after_step.remove(outer.after_step)
+        applied.outer = OuterSync(outer.params, outer.group, "diloco", 1, 0.1, 0.0, False, None, state_dtype)
+        applied.after_step.append(applied.outer.after_step)
+    with torch.no_grad():  # the global copy is taken from it at the first step
+        for p in model.parameters():
+            p.to_local().fill_(1.0)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=1.0))
+    weights = []
+    for _ in range(10):
+        push = 2.0**-7 if fabric.strategy.meshes.outer.get_local_rank() == 0 else 0.0
+        fabric.backward(model(torch.full((1, 1), push, dtype=torch.bfloat16)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append(float(next(model.parameters()).full_tensor()))
+    return weights
+
+
+def _scenarios_2x2(rank: int, world_size: int) -> Dict[str, Any]:
+    diloco = dict(replicate_sync="diloco", sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    return {"diloco": _train(rank, world_size, 2, diloco)}
+
+
+def _scenarios_2x1(rank: int, world_size: int) -> Dict[str, Any]:
+    diloco = dict(replicate_sync="diloco", sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+    return {
+        "diloco": _train(rank, world_size, 2, diloco),
+        "local_sgd_1": _train(rank, world_size, 2, dict(replicate_sync="local_sgd", sync_every=1)),
+        "every_step": _train(rank, world_size, 2, {}),
+        "bf16_fp32_state": _bf16_below_spacing(rank, world_size, torch.float32),
+        "bf16_bf16_state": _bf16_below_spacing(rank, world_size, torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_by_one() -> list:
+    return run_distributed(_scenarios_2x1, 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> list:
+    return run_distributed(_scenarios_2x2, 4, timeout=300)
+
+
+def local_steps(params: Dict[str, torch.Tensor], batches: List[List[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """One replica's SGD steps from ``params``: per step the mean loss over its ranks' batches (FSDP averages the
+    shard ranks' grads)."""
+    model = mlp()
+    model.load_state_dict(params)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step_batches in batches:
+        sum(loss_of(model, b) for b in step_batches).__truediv__(len(step_batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def diloco_reference(replicas: int, shards: int) -> List[Dict[str, torch.Tensor]]:
+    """DiLoCo written out: per cycle each replica's local steps from the global params, the pseudo-gradients
+    averaged, Nesterov momentum, the outer step; the global params after each cycle."""
+    global_params = {k: v.detach().clone() for k, v in mlp().state_dict().items()}
+    momentum = {k: torch.zeros_like(v) for k, v in global_params.items()}
+    after_cycles = []
+    for cycle in range(STEPS // SYNC_EVERY):
+        steps = range(cycle * SYNC_EVERY, (cycle + 1) * SYNC_EVERY)
+        ends = [
+            local_steps(global_params, [[batch(r * shards + s, step) for s in range(shards)] for step in steps])
+            for r in range(replicas)
+        ]
+        for name in global_params:
+            delta = sum(global_params[name] - end[name] for end in ends) / replicas
+            momentum[name] = OUTER_MOMENTUM * momentum[name] + delta
+            global_params[name] = global_params[name] - OUTER_LR * (delta + OUTER_MOMENTUM * momentum[name])
+        after_cycles.append({k: v.clone() for k, v in global_params.items()})
+    return after_cycles
+
+
+def assert_close(found: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], tolerance: float) -> None:
+    worst = max((found[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= tolerance, worst
+
+
+@pytest.mark.parametrize(("layout", "shards"), [("2x1", 1), ("2x2", 2)])
+def test_diloco_outer_step_equals_its_formula(two_by_one: list, two_by_two: list, layout: str, shards: int) -> None:
+    results = two_by_one if layout == "2x1" else two_by_two
+    expected = diloco_reference(2, shards)
+    for rank in range(2 * shards):
+        after = results[rank]["diloco"]["after"]
+        for cycle, reference in enumerate(expected):
+            assert_close(after[(cycle + 1) * SYNC_EVERY - 1], reference, 1e-6)
+    assert results[0]["diloco"]["sync_mesh"] == (shards,)  # FSDP shards within a replica only
+
+
+def test_replicas_are_equal_to_the_bit_after_each_sync_and_apart_between(two_by_two: list) -> None:
+    for step in range(STEPS):
+        same = all(
+            torch.equal(two_by_two[s]["diloco"]["after"][step][k], two_by_two[2 + s]["diloco"]["after"][step][k])
+            for s in range(2)
+            for k in two_by_two[0]["diloco"]["after"][step]
+        )
+        assert same == ((step + 1) % SYNC_EVERY == 0), step
+
+
+def test_local_sgd_every_step_with_plain_sgd_equals_every_step_sync(two_by_one: list) -> None:
+    for rank in range(2):
+        for local, synced in zip(
+            two_by_one[rank]["local_sgd_1"]["after"], two_by_one[rank]["every_step"]["after"], strict=True
+        ):
+            assert_close(local, synced, 1e-6)
+    assert two_by_one[0]["every_step"]["sync_mesh"] == (2, 1)  # HSDP: gradients cross the replicate dim
+
+
+def test_an_fp32_global_copy_keeps_a_bf16_change_below_the_spacing_that_a_bf16_one_loses(two_by_one: list) -> None:
+    kept, lost = two_by_one[0]["bf16_fp32_state"], two_by_one[0]["bf16_bf16_state"]
+    assert lost == [1.0] * 10  # each outer step's 0.1 spacing rounds away in a bf16 global copy
+    assert kept[0] == 1.0 and kept[-1] < 1.0  # accumulated in fp32, it moves the bf16 weight within a few syncs
+    assert kept.index(kept[-1]) <= 6 and kept[-1] == 1.0 - 2.0**-8
+
+
+def test_untested_compositions_are_refused_with_the_fix() -> None:
+    problems = semi_sync_problems("diloco", fault_tolerant=True, context_parallel=2, expert_parallel=1, offload=None)
+    assert len(problems) == 2
+    assert "replicate_sync='diloco' with fault_tolerance (torchft replica groups) is untested" in problems[0]
+    assert "context_parallel_size=2 is untested; use replicate_sync='every_step'" in problems[1]
+
+
+def test_a_replicate_sync_without_replicas_is_refused() -> None:
+    from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
+
+    with pytest.raises(MixedFSDPConfigError, match=r"replicate_sync='local_sgd' syncs HSDP replicas every sync_every"):
+        MixedFSDPConfig.from_input(None, {"replicate_sync": "local_sgd"}, "MixedFSDP2Strategy")
