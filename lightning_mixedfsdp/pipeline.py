@@ -159,6 +159,14 @@ class ShardedModels:
             for action in applied.after_step:
                 action()
 
+    def before_save(self) -> None:
+        """Before a checkpoint is taken (the strategies call this on every rank): semi-synchronous replicas that took
+        steps since their last sync differ, and a checkpoint keeps one copy of a replicated tensor, so they sync now
+        (an early outer step; the next one still follows step ``k * sync_every``)."""
+        for applied in list(self._applied.values()):
+            if applied.outer is not None and applied.outer.mid_cycle:
+                applied.outer.sync()
+
     def before_optimizer_step(self) -> None:
         """What precedes each optimizer step (the strategies call this): semi-synchronous replicas take their outer
         state's starting point."""

@@ -31,6 +31,7 @@ class FabricCheckpointing(MixedFSDP2Mixin, ModelParallelStrategy):
         write = super().save_checkpoint
         if storage_options is not None:  # Lightning's own refusal, before anything is written
             write(path, state, storage_options=storage_options)
+        self._sharded.before_save()  # semi-synchronous replicas made equal first
         optimizers, module = _optimizers_and_model(state)
         self._save_checkpoint(
             path,

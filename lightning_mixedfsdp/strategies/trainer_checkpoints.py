@@ -21,6 +21,13 @@ class TrainerCheckpointing(MixedFSDP2Mixin, ModelParallelStrategy):
     """The stand-ins ``optimizer_state`` made while Lightning assembles a checkpoint, taken by ``save_checkpoint``."""
 
     @override
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """Lightning's, semi-synchronous replicas made equal first (the Trainer collects the model's state before the
+        optimizers' and before ``save_checkpoint``)."""
+        self._sharded.before_save()
+        return super().lightning_module_state_dict()
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
         """Lightning's, with a stand-in for the state only some ranks hold (the checkpoint records where it stands
         in: ``checkpoint/optimizer_state.py``)."""

@@ -2,6 +2,7 @@
 ``fully_shard``ed models, against their formulas written out here, against every-step sync, and for a bf16 param whose
 averaged change is below its spacing (an fp32 global copy keeps it; a bf16 one loses it)."""
 
+import re
 from typing import Any, Dict, List
 
 import pytest
@@ -82,12 +83,27 @@ def _bf16_below_spacing(rank: int, world_size: int, state_dtype: torch.dtype) ->
     return weights
 
 
+def _save_mid_cycle(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    """DiLoCo with H=4: a save after step 2 syncs first (an early outer step); the params saved are every replica's."""
+    settings = dict(replicate_sync="diloco", sync_every=4)
+    fabric = make_fabric(world_size, "32-true", strategy=strategy(2, **settings))
+    model = fabric.setup(mlp())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+    for step in range(2):
+        fabric.backward(loss_of(model, batch(rank, step)))
+        optimizer.step()
+        optimizer.zero_grad()
+    before = full_params(model)
+    fabric.save(folder, {"model": model, "optimizer": optimizer})
+    return {"before": before, "after": full_params(model)}
+
+
 def _scenarios_2x2(rank: int, world_size: int) -> Dict[str, Any]:
     diloco = dict(replicate_sync="diloco", sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
     return {"diloco": _train(rank, world_size, 2, diloco)}
 
 
-def _scenarios_2x1(rank: int, world_size: int) -> Dict[str, Any]:
+def _scenarios_2x1(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     diloco = dict(replicate_sync="diloco", sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
     return {
         "diloco": _train(rank, world_size, 2, diloco),
@@ -95,12 +111,13 @@ def _scenarios_2x1(rank: int, world_size: int) -> Dict[str, Any]:
         "every_step": _train(rank, world_size, 2, {}),
         "bf16_fp32_state": _bf16_below_spacing(rank, world_size, torch.float32),
         "bf16_bf16_state": _bf16_below_spacing(rank, world_size, torch.bfloat16),
+        "saved": _save_mid_cycle(rank, world_size, folder),
     }
 
 
 @pytest.fixture(scope="module")
-def two_by_one() -> list:
-    return run_distributed(_scenarios_2x1, 2, timeout=300)
+def two_by_one(tmp_path_factory: pytest.TempPathFactory) -> list:
+    return run_distributed(_scenarios_2x1, 2, str(tmp_path_factory.mktemp("semi_sync") / "mid_cycle"), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +200,12 @@ def test_an_fp32_global_copy_keeps_a_bf16_change_below_the_spacing_that_a_bf16_o
     assert kept.index(kept[-1]) <= 6 and kept[-1] == 1.0 - 2.0**-8
 
 
+def test_a_save_mid_cycle_syncs_the_replicas_first(two_by_one: list) -> None:
+    first, second = two_by_one[0]["saved"], two_by_one[1]["saved"]
+    assert any(not torch.equal(first["before"][k], second["before"][k]) for k in first["before"])  # mid-cycle
+    assert all(torch.equal(first["after"][k], second["after"][k]) for k in first["after"])  # synced by the save
+
+
 def test_untested_compositions_are_refused_with_the_fix() -> None:
     problems = semi_sync_problems("diloco", fault_tolerant=True, context_parallel=2, expert_parallel=1, offload=None)
     assert len(problems) == 2
@@ -195,3 +218,16 @@ def test_a_replicate_sync_without_replicas_is_refused() -> None:
 
     with pytest.raises(MixedFSDPConfigError, match=r"replicate_sync='local_sgd' syncs HSDP replicas every sync_every"):
         MixedFSDPConfig.from_input(None, {"replicate_sync": "local_sgd"}, "MixedFSDP2Strategy")
+
+
+def test_the_dry_run_prints_the_bytes_across_the_replicate_dim_and_the_outer_state(capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.run.runner import main
+
+    main(["--dry-run", "trainer.devices=4", "strategy.parallelism.data_parallel_replicate_size=2",
+          "strategy.parallelism.replicate_sync=diloco", "strategy.parallelism.sync_every=20"])  # fmt: skip
+    out = capsys.readouterr().out
+    every = re.search(r"  every step: ([\d.]+) KiB all-reduced", out)
+    diloco = re.search(r"  diloco every 20 steps: ([\d.]+) KiB all-reduced .*; ([\d.]+)x less\); outer state", out)
+    assert every and diloco and "(fp32 global copy and momentum, on the host)" in out
+    # bf16 gradients every step against fp32 pseudo-gradients every 20 steps: a tenth of the bytes
+    assert float(diloco.group(2)) == 10.0 and abs(float(every.group(1)) / float(diloco.group(1)) - 10) < 0.01

@@ -14,6 +14,7 @@ well under a second (0.12 s for Llama-3-70B; the command takes a few seconds mor
 """
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import replace
@@ -24,7 +25,7 @@ from torch import nn
 from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
 from lightning_mixedfsdp.compat.extras import MissingPackage
-from lightning_mixedfsdp.config import MixedFSDPConfig, precision_problem
+from lightning_mixedfsdp.config import MixedFSDPConfig, Parallelism, precision_problem
 from lightning_mixedfsdp.mesh import ParallelDims
 from lightning_mixedfsdp.planning.memory import (
     ActivationShape,
@@ -71,7 +72,12 @@ def dry_run(
 
 
 def format_summary(
-    plan: ShardPlan, estimate: MemoryEstimate, world_size: int, replicate: int, gpu_memory_gb: Optional[float]
+    plan: ShardPlan,
+    estimate: MemoryEstimate,
+    world_size: int,
+    replicate: int,
+    gpu_memory_gb: Optional[float],
+    parallelism: Optional[Parallelism] = None,
 ) -> str:
     hsdp = replicate > 1
     collectives = plan.predicted_collectives(hsdp=hsdp)
@@ -86,6 +92,8 @@ def format_summary(
     if plan.experts is not None:
         lines += expert_lines(plan, expert_shard_ranks=shard // plan.experts.size)
     lines += conditional_lines(plan, shard_ranks=shard)
+    if replicate > 1:
+        lines += replicate_sync_lines(plan, replicate, shard, parallelism or Parallelism())
     lines += ["training state per rank (activations not included):"]
     lines += [f"  {name:<13}{format_bytes(value)}" for name, value in estimate.rows().items()]
     lines.append(f"  of which replicated params add {format_bytes(estimate.replicated)} over full sharding")
@@ -112,6 +120,36 @@ def format_summary(
         " (the largest tensor); the other ranks write nothing",
     ]
     return "\n".join(lines)
+
+
+def replicate_sync_lines(plan: ShardPlan, replicate: int, shard: int, parallelism: Parallelism) -> List[str]:
+    """Bytes each rank exchanges across the replicate dim per optimizer step, every-step sync against the chosen
+    semi-synchronous one (``replicate_sync``), and the outer state each rank holds."""
+    trainable = [p for p in plan.params.values() if p.requires_grad]
+    elements = sum(math.prod(p.shape) / (1 if p.replicated else shard) for p in trainable)
+    every_step = sum(math.prod(p.shape) / (1 if p.replicated else shard) * p.key.reduce.itemsize for p in trainable)
+    lines = [
+        f"across the replicate dim ({replicate} replicas), per rank and optimizer step:",
+        f"  every step: {format_bytes(every_step)} all-reduced (each trainable shard's gradient, in its reduce dtype)",
+    ]
+    method, every = parallelism.replicate_sync, parallelism.sync_every
+    if method == "every_step":
+        return lines
+    state = (
+        "no outer state"
+        if method == "local_sgd"
+        else (
+            f"outer state {format_bytes(elements * 8)} per rank (fp32 global copy and momentum, on"
+            f" {'the host' if parallelism.outer_state == 'cpu' else 'the device'})"
+        )
+    )
+    what = "params" if method == "local_sgd" else "pseudo-gradients"
+    lines.append(
+        f"  {method} every {every} steps: {format_bytes(elements * 4 / every)} all-reduced (the fp32 {what} of each"
+        f" trainable shard, {format_bytes(elements * 4)} per sync; {every_step / (elements * 4 / every):.1f}x less);"
+        f" {state}"
+    )
+    return lines
 
 
 def activation_lines(
@@ -277,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
     print(format_plan(plan))
     print()
-    print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory))
+    print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory, config.parallelism))
     lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory)
     if lines:
         print("\n".join(lines))

@@ -231,7 +231,7 @@ def dry_run(recipe: Recipe) -> None:
             print(f"== {name}")
         print(format_plan(plan))
         print()
-        print(format_summary(plan, estimate, world, replicate, None))
+        print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
 
 
 def run_folder(recipe: Recipe) -> RunFolder:
