@@ -230,4 +230,5 @@ def test_the_dry_run_prints_the_bytes_across_the_replicate_dim_and_the_outer_sta
     diloco = re.search(r"  diloco every 20 steps: ([\d.]+) KiB all-reduced .*; ([\d.]+)x less\); outer state", out)
     assert every and diloco and "(fp32 global copy and momentum, on the host)" in out
     # bf16 gradients every step against fp32 pseudo-gradients every 20 steps: a tenth of the bytes
-    assert float(diloco.group(2)) == 10.0 and abs(float(every.group(1)) / float(diloco.group(1)) - 10) < 0.01
+    # (10.03: the replicated fp32 norms reduce in fp32 either way)
+    assert float(diloco.group(2)) == 10.0 and abs(float(every.group(1)) / float(diloco.group(1)) - 10) < 0.05
