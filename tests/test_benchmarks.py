@@ -349,3 +349,13 @@ def test_bf16_updates_counts_each_methods_bytes_and_times_and_evaluates_it() -> 
     }  # fmt: skip
     assert results["fp32 masters (bf16-mixed)"]["bytes"]["all"] == 12.0
     assert all(row["step_s"] > 0 and row["held_out_loss"] > 0 for row in results.values())
+
+
+def test_semi_sync_runs_and_diloco_moves_a_fraction_of_every_step_syncs_bytes(capsys) -> None:
+    from benchmarks import semi_sync
+
+    argv = ["--steps", "4", "--dim", "32", "--seq", "16", "--batch", "2", "--setups", "every_step", "diloco_5"]
+    results = semi_sync.main(argv)
+    # fp32 pseudo-gradients every 5 steps against bf16 gradients every step: about 2/5 of the bytes
+    assert 0.35 < results["diloco_5"]["bytes"] / results["every_step"]["bytes"] < 0.45
+    assert "| diloco_5 |" in capsys.readouterr().out
