@@ -113,6 +113,9 @@ def setup_problems(plan: ShardPlan, config: MixedFSDPConfig, fault_tolerant: boo
         parallelism.context_parallel_size,
         parallelism.expert_parallel_size,
         config.memory.offload,
+        config.float8.recipe,
+        config.memory.quantize_base,
+        config.sharding.compile,
     )
 
 

@@ -31,9 +31,17 @@ BUCKET_BYTES = 64 << 20
 
 
 def semi_sync_problems(
-    method: str, fault_tolerant: bool, context_parallel: int, expert_parallel: int, offload: Optional[str]
+    method: str,
+    fault_tolerant: bool,
+    context_parallel: int,
+    expert_parallel: int,
+    offload: Optional[str],
+    float8: Optional[str] = None,
+    quantize_base: Optional[str] = None,
+    compile: bool = False,
 ) -> List[str]:
-    """What ``replicate_sync=method`` does not compose with (untested), each with its fix."""
+    """What ``replicate_sync=method`` does not compose with (untested), each with its fix. Tested with it: activation
+    checkpointing and LoRA (the adapters' outer state only)."""
     if method == "every_step":
         return []
     problems = []
@@ -42,6 +50,9 @@ def semi_sync_problems(
         f"context_parallel_size={context_parallel}": context_parallel > 1,
         f"expert_parallel_size={expert_parallel}": expert_parallel > 1,
         f"offload={offload!r}": offload is not None,
+        f"float8={float8!r}": float8 is not None,
+        f"quantize_base={quantize_base!r}": quantize_base is not None,
+        "compile=True": compile,
     }
     for setting, present in untested.items():
         if present:

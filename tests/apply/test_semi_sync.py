@@ -98,6 +98,28 @@ def _save_mid_cycle(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {"before": before, "after": full_params(model)}
 
 
+def _lora_with_activation_checkpointing(rank: int, world_size: int) -> Dict[str, Any]:
+    """An HF Llama with LoRA adapters, activation checkpointing, DiLoCo at H=2 on 2 replicas: only the adapters sync."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.hf_models import tiny_model
+
+    settings = dict(replicate_sync="diloco", sync_every=2, activation_checkpointing="full")
+    fabric = make_fabric(world_size, "bf16-true", strategy=strategy(2, **settings))
+    model = fabric.setup(get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    applied = next(iter(fabric.strategy._sharded._applied.values()))
+    before, after = full_params(model), []
+    for step in range(2):
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        fabric.backward(model(input_ids=tokens, labels=tokens).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        after.append(full_params(model))
+    synced = [n for n, p in model.named_parameters() if any(p is q for q in applied.outer.params)]
+    return {"before": before, "after": after, "synced": synced}
+
+
 def _scenarios_2x2(rank: int, world_size: int) -> Dict[str, Any]:
     diloco = dict(replicate_sync="diloco", sync_every=SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
     return {"diloco": _train(rank, world_size, 2, diloco)}
@@ -112,6 +134,7 @@ def _scenarios_2x1(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         "bf16_fp32_state": _bf16_below_spacing(rank, world_size, torch.float32),
         "bf16_bf16_state": _bf16_below_spacing(rank, world_size, torch.bfloat16),
         "saved": _save_mid_cycle(rank, world_size, folder),
+        "lora": _lora_with_activation_checkpointing(rank, world_size),
     }
 
 
@@ -206,9 +229,20 @@ def test_a_save_mid_cycle_syncs_the_replicas_first(two_by_one: list) -> None:
     assert all(torch.equal(first["after"][k], second["after"][k]) for k in first["after"])  # synced by the save
 
 
+def test_lora_with_activation_checkpointing_syncs_the_adapters_alone(two_by_one: list) -> None:
+    first, second = two_by_one[0]["lora"], two_by_one[1]["lora"]
+    assert first["synced"] and all(".lora_" in n for n in first["synced"])
+    frozen = [n for n in first["before"] if ".lora_" not in n]
+    assert all(torch.equal(first["after"][-1][n], first["before"][n]) for n in frozen)  # the base took no part
+    adapters = [n for n in first["before"] if ".lora_B" in n]
+    assert any(not torch.equal(first["after"][0][n], second["after"][0][n]) for n in adapters)  # apart mid-cycle
+    assert all(torch.equal(first["after"][1][n], second["after"][1][n]) for n in first["before"])  # equal after
+
+
 def test_untested_compositions_are_refused_with_the_fix() -> None:
     problems = semi_sync_problems("diloco", fault_tolerant=True, context_parallel=2, expert_parallel=1, offload=None)
     assert len(problems) == 2
+    assert "float8='tensorwise' is untested" in semi_sync_problems("local_sgd", False, 1, 1, None, "tensorwise")[0]
     assert "replicate_sync='diloco' with fault_tolerance (torchft replica groups) is untested" in problems[0]
     assert "context_parallel_size=2 is untested; use replicate_sync='every_step'" in problems[1]
 
