@@ -90,7 +90,7 @@ class ConditionalRuns:
 
         if not self._synced():
             return
-        device = self._params[0][0].device
+        device = next(p.device for params in self._params for p in params)
         flags = torch.tensor(self._ran, dtype=torch.float32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         for params, ran in zip(self._params, flags.tolist(), strict=True):
@@ -114,7 +114,7 @@ def apply_conditional_reduction(
     for holder in sorted(holders):
         reduce_unused_params(index.outer[by_name[holder].modules[0]])
     modules = {name: _params_of(index.inner[name], name, names) for name, names in trainable.items()}
-    return ConditionalRuns(modules, group, synced)
+    return ConditionalRuns({name: params for name, params in modules.items() if params}, group, synced)
 
 
 def _params_of(module: nn.Module, prefix: str, names: Sequence[str]) -> List[nn.Parameter]:
