@@ -31,10 +31,10 @@ VISION_FORMAT = "vision"
 def model_key(recipe: Recipe) -> Optional[str]:
     """The recipe key naming an image-text model (``model.pretrained`` or ``model.hf_config``), or None."""
     model = recipe.model
-    if model.hf_source() is None or reference_model_config(model) is not None:
+    if model.hf_source() is None:
         return None
     try:
-        image_text = is_image_text(load_hf_config(model.hf_source()))
+        image_text = reference_model_config(model) is None and is_image_text(load_hf_config(model.hf_source()))
     except (FileNotFoundError, ValueError):  # named by the inputs' own checks
         return None
     if not image_text:
