@@ -25,7 +25,14 @@ from lightning_mixedfsdp.recipes.data.chat import (
     chat_example,
     instruction_example,
 )
-from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, Splits, padded_rows, read_records, split_records
+from lightning_mixedfsdp.recipes.data.sft import (
+    ExampleMaker,
+    Splits,
+    padded_rows,
+    read_records,
+    split_records,
+    too_long_problems,
+)
 from lightning_mixedfsdp.recipes.data.stdlib_chat import stdlib_preference_pairs
 from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus
 from lightning_mixedfsdp.recipes.settings.schema import DataSection
@@ -170,12 +177,7 @@ def preference_problems(data: DataSection, ranks: int) -> List[str]:
 
     maker = ExampleMaker(data, PREFERENCE, make_tokenizer(data.tokenizer, data.trust_remote_code))
     splits = preference_pairs(data, maker)
-    problems = list(splits.problems)
-    if splits.too_long and data.too_long == "error":
-        problems.append(
-            f"data: {splits.too_long} pairs are longer than data.seq_len={data.seq_len} tokens; raise data.seq_len, or"
-            " set data.too_long=truncate or drop"
-        )
+    problems = [*splits.problems, *too_long_problems(splits, data, "pairs")]
     if problems:
         return problems
     held_out = min(len(splits.held_out), data.val_windows)

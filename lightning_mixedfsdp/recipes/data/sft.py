@@ -186,6 +186,16 @@ def split_records(
     return splits
 
 
+def too_long_problems(splits: "Splits[Any]", data: DataSection, items: str = "examples") -> List[str]:
+    """Under ``data.too_long=error``, the problem of ``splits``' items longer than ``data.seq_len`` (none otherwise)."""
+    if not (splits.too_long and data.too_long == "error"):
+        return []
+    return [
+        f"data: {splits.too_long} {items} are longer than data.seq_len={data.seq_len} tokens; raise data.seq_len, or"
+        " set data.too_long=truncate or drop"
+    ]
+
+
 def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplits:
     """Every record made an example (see :func:`split_records`)."""
     return split_records(
@@ -217,12 +227,7 @@ def fine_tuning_problems(data: DataSection, ranks: int, packed: bool) -> List[st
     row per data-parallel rank (``packed``: as the run packs them)."""
     tokenizer = make_tokenizer(data.tokenizer, data.trust_remote_code)
     splits = fine_tuning_examples(data, ExampleMaker(data, resolved_format(data), tokenizer))
-    problems = list(splits.problems)
-    if splits.too_long and data.too_long == "error":
-        problems.append(
-            f"data: {splits.too_long} examples are longer than data.seq_len={data.seq_len} tokens; raise"
-            " data.seq_len, or set data.too_long=truncate or drop"
-        )
+    problems = [*splits.problems, *too_long_problems(splits, data)]
     if problems:
         return problems
     make = packed_rows if packed else padded_rows

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.data.chat import ROLES, ChatFormat, ChatTemplateError, chat_example
-from lightning_mixedfsdp.recipes.data.sft import RowSet, Splits, StepRows, split_records
+from lightning_mixedfsdp.recipes.data.sft import RowSet, Splits, StepRows, split_records, too_long_problems
 from lightning_mixedfsdp.recipes.data.shapes import shapes_processor, shapes_records
 from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus
 from lightning_mixedfsdp.recipes.settings.inputs import data_files
@@ -302,10 +302,10 @@ def load_processor(data: DataSection, pretrained: Optional[str]) -> Any:
     return shapes_processor()
 
 
-def processor_problem(data: DataSection, pretrained: Optional[str]) -> Optional[str]:
-    """Why no processor can prepare the data (None when one can), with the fix."""
+def checked_processor(data: DataSection, pretrained: Optional[str]) -> Tuple[Any, Optional[str]]:
+    """The processor that prepares the data, or None and why there is none (with the fix)."""
     if data.tokenizer == "bytes" and pretrained is None and data.files:
-        return (
+        return None, (
             "data: image-text rows need the model's processor (image processor, tokenizer, chat template); set"
             " data.tokenizer to a folder holding it (AutoProcessor.from_pretrained reads it), or fine-tune a"
             " model.pretrained folder that has one"
@@ -314,10 +314,11 @@ def processor_problem(data: DataSection, pretrained: Optional[str]) -> Optional[
     try:
         processor = load_processor(data, pretrained)
     except Exception as error:  # transformers raises many types for a folder it cannot read
-        return f"data: {source!r} has no processor AutoProcessor can load ({type(error).__name__}: {error})"
+        return None, f"data: {source!r} has no processor AutoProcessor can load ({type(error).__name__}: {error})"
     if not hasattr(processor, "image_token") or not hasattr(processor, "tokenizer"):
-        return f"data: the processor of {source!r} ({type(processor).__name__}) takes no images; use the VLM's folder"
-    return None
+        kind = type(processor).__name__
+        return None, f"data: the processor of {source!r} ({kind}) takes no images; use the VLM's folder"
+    return processor, None
 
 
 class VisionCorpus(TextCorpus):
@@ -373,10 +374,10 @@ def vision_data_problems(
     outgrows the model's ``vocab`` or whose image token is not the model's ``image_token``, bad lines (each named
     with its file and line: not JSON, a missing or unreadable image, image parts that do not match ``images``, an
     image in an assistant turn), too-long rows under ``data.too_long=error``, too few rows per rank."""
-    problem = processor_problem(data, pretrained)
+    processor, problem = checked_processor(data, pretrained)
     if problem is not None:
         return [problem]
-    maker = VisionExampleMaker(load_processor(data, pretrained))
+    maker = VisionExampleMaker(processor)
     problems = []
     tokens = len(maker.processor.tokenizer)
     if vocab is not None and tokens > vocab:
@@ -392,12 +393,7 @@ def vision_data_problems(
         )
     # the generated task's rows are alike and known good: its first rows say whether they fit data.seq_len
     splits = vision_examples(data, maker, limit=None if data.files else GENERATED_CHECKED)
-    problems += splits.problems
-    if splits.too_long and data.too_long == "error":
-        problems.append(
-            f"data: {splits.too_long} examples are longer than data.seq_len={data.seq_len} tokens; raise"
-            " data.seq_len, or set data.too_long=truncate or drop"
-        )
+    problems += [*splits.problems, *too_long_problems(splits, data)]
     if problems:
         return problems
     held_out = min(len(splits.held_out), data.val_windows)
