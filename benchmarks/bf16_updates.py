@@ -99,26 +99,35 @@ def _launch(rank: int, world: int, steps: int, dim: int, seq: int, batch: int) -
                 group["lr"] = 3e-3 * warmup_cosine(step, 20, steps)
             dist.barrier()
             started = time.perf_counter()
-            logits = model(rows[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
-            fabric.backward(loss)
-            fabric.clip_gradients(model, optimizer, max_norm=1.0)
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step(fabric, model, optimizer, rows)
             seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
             times[name].append(seconds.item())
     # counted before the held-out forward: FSDP's root unit then holds gathered params in place of the shards
     out: Dict[str, Any] = {name: {"bytes": _bytes_per_param(model, opt)} for name, (_, model, opt) in runs.items()}
-    windows = held_out[: (len(held_out) - 1) // seq * seq + 1]
-    inputs = windows[:-1].reshape(-1, seq)
-    targets = windows[1:].reshape(-1, seq)
     for name, (_, model, _) in runs.items():
-        with torch.no_grad():
-            logits = model(inputs).float()
-            held = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        out[name].update(held_out_loss=held.item(), step_s=statistics.median(times[name][1:] or times[name]))
+        held = held_out_loss(model, held_out, seq)
+        out[name].update(held_out_loss=held, step_s=statistics.median(times[name][1:] or times[name]))
     return out
+
+
+def train_step(fabric: Any, model: Any, optimizer: Any, rows: Tensor) -> None:
+    """One of the main job's steps on ``rows`` (inputs and their next bytes): the byte loss, clipping at 1.0, the
+    optimizer's step."""
+    logits = model(rows[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
+    fabric.backward(loss)
+    fabric.clip_gradients(model, optimizer, max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def held_out_loss(model: Any, held_out: Tensor, seq: int) -> float:
+    """The model's next-byte loss over ``held_out`` in windows of ``seq`` bytes."""
+    windows = held_out[: (len(held_out) - 1) // seq * seq + 1]
+    with torch.no_grad():
+        logits = model(windows[:-1].reshape(-1, seq)).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[1:].reshape(-1, seq).flatten()).item()
 
 
 def main(argv: Any = None) -> Dict[str, Any]:

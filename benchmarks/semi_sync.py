@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from benchmarks.bf16_updates import stdlib_bytes
+from benchmarks.bf16_updates import held_out_loss, stdlib_bytes, train_step
 from lightning_mixedfsdp.testing import run_distributed
 
 SETUPS: Dict[str, Tuple[str, int]] = {
@@ -87,21 +87,13 @@ def _train(rank: int, world: int, name: str, steps: int, dim: int, seq: int, bat
         for group in optimizer.param_groups:
             group["lr"] = 3e-3 * warmup_cosine(step, 20, steps)
         started = time.perf_counter()
-        logits = model(rows[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten())
-        fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        train_step(fabric, model, optimizer, rows)
         seconds = torch.tensor(time.perf_counter() - started, dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         times.append(seconds.item())
     payload = replicate_bytes(model, method, every)  # before the held-out forward gathers the root unit
-    windows = held_out[: (len(held_out) - 1) // seq * seq + 1]
-    with torch.no_grad():
-        logits = model(windows[:-1].reshape(-1, seq)).float()
-        held = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[1:].reshape(-1, seq).flatten())
-    return {"bytes": payload, "held_out_loss": held.item(), "step_s": statistics.median(times[1:] or times)}
+    held = held_out_loss(model, held_out, seq)
+    return {"bytes": payload, "held_out_loss": held, "step_s": statistics.median(times[1:] or times)}
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
