@@ -96,7 +96,7 @@ class OuterSync:
         or loaded by then; a model built on the meta device has no values at setup)."""
         if self.method == "diloco" and not self.global_copy:
             # state_dtype: fp32; a lower one only to show what it loses (tests, benchmarks)
-            parts = [_local(p).detach() for p in self.params]
+            parts = [local_tensor(p).detach() for p in self.params]
             # its own memory: on the device in fp32 a plain `.to` would alias the param
             self.global_copy = [
                 part.to(self._state_device or part.device, self._state_dtype, copy=True) for part in parts
@@ -117,7 +117,7 @@ class OuterSync:
     @torch.no_grad()
     def sync(self) -> None:
         """The outer step now (every rank of the replicate dim calls it at the same step)."""
-        for bucket in _buckets([_local(p) for p in self.params], BUCKET_BYTES):
+        for bucket in _buckets([local_tensor(p) for p in self.params], BUCKET_BYTES):
             if self.method == "local_sgd":
                 self._average([self.params[i] for i in bucket])
             else:
@@ -127,7 +127,7 @@ class OuterSync:
     def _average(self, params: List[nn.Parameter]) -> None:
         import torch.distributed as dist
 
-        parts = [_local(p) for p in params]
+        parts = [local_tensor(p) for p in params]
         flat = torch.cat([part.reshape(-1).float() for part in parts])
         dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
         _scatter_into(flat, parts)
@@ -135,7 +135,7 @@ class OuterSync:
     def _outer_step(self, bucket: List[int]) -> None:
         import torch.distributed as dist
 
-        parts = [_local(self.params[i]) for i in bucket]
+        parts = [local_tensor(self.params[i]) for i in bucket]
         device = parts[0].device
         globals_ = [self.global_copy[i] for i in bucket]
         # the pseudo-gradient in fp32: what this replica's local steps changed, from the params it started the cycle
@@ -152,10 +152,6 @@ class OuterSync:
             update = delta.add(momentum, alpha=self.outer_momentum) if self.nesterov else momentum
             self.global_copy[index].sub_(update.to(momentum.dtype), alpha=self.outer_lr)
             part.copy_(self.global_copy[index])  # cast to the param's own dtype
-
-
-def _local(param: Tensor) -> Tensor:
-    return local_tensor(param)
 
 
 def _scatter_into(flat: Tensor, parts: List[Tensor]) -> None:
