@@ -15,13 +15,14 @@ from weakref import WeakKeyDictionary, WeakSet
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan, apply_buffer_sync, apply_plan, sync_replicas
 from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
-from lightning_mixedfsdp.apply.semi_sync import semi_sync_problems
+from lightning_mixedfsdp.apply.semi_sync import OuterSync, semi_sync_problems
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
@@ -163,12 +164,34 @@ class ShardedModels:
                 action()
 
     def before_save(self) -> None:
-        """Before a checkpoint is taken (the strategies call this on every rank): semi-synchronous replicas that took
-        steps since their last sync differ, and a checkpoint keeps one copy of a replicated tensor, so they sync now
-        (an early outer step; the next one still follows step ``k * sync_every``)."""
+        """Before a checkpoint is taken (the strategies call this on every rank): semi-synchronous replicas differ (in
+        params mid-cycle, in their inner optimizers' states always), and a checkpoint keeps one copy of a replicated
+        tensor, so they are made equal now (an early outer step, the next one still after step ``k * sync_every``;
+        the optimizers' states averaged)."""
+        for outer in self.outer_syncs():
+            outer.before_save()
+
+    def attach_optimizer(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s checkpoints carry the outer state of the semi-synchronous params it holds."""
         for applied in list(self._applied.values()):
-            if applied.outer is not None and applied.outer.mid_cycle:
-                applied.outer.sync()
+            if applied.outer is not None:
+                applied.outer.attach(optimizer)
+
+    def outer_syncs(self) -> List[OuterSync]:
+        """The semi-synchronous models' outer syncs, in setup order."""
+        return [applied.outer for applied in self._applied.values() if applied.outer is not None]
+
+    @contextmanager
+    def outer_state_in_checkpoint(self, enabled: bool = True) -> Iterator[None]:
+        """Inside, the optimizers' state dicts carry the outer state (a save; a load of a checkpoint holding it)."""
+        syncs = self.outer_syncs()
+        for outer in syncs:
+            outer.in_checkpoint = enabled
+        try:
+            yield
+        finally:
+            for outer in syncs:
+                outer.in_checkpoint = False
 
     def before_optimizer_step(self) -> None:
         """What precedes each optimizer step (the strategies call this): semi-synchronous replicas take their outer

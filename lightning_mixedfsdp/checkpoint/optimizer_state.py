@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mixedfsdp.apply.semi_sync import STEPS_KEY
 from lightning_mixedfsdp.checkpoint.atomic import DCP_METADATA, LIGHTNING_METADATA_FILENAME
 from lightning_mixedfsdp.compat.torch import local_chunk
 from lightning_mixedfsdp.model.names import canonical_name
@@ -242,6 +243,26 @@ def _held_in_full(state: Mapping[str, Any], optimizer: Optimizer) -> Set[int]:
     if len(saved_order) != len(params):  # torch will refuse this load with its own message
         return {id(p) for p in params}
     return {id(p) for p, k in zip(params, saved_order, strict=True) if k in saved}
+
+
+def holds_outer_state(path: Path, weights_only: Optional[bool] = None) -> bool:
+    """Whether the checkpoint at ``path`` holds semi-synchronous replicas' outer state (``apply/semi_sync.py``) in
+    its optimizers' states."""
+    if path.is_dir() and (path / DCP_METADATA).is_file():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        names = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return any(name.endswith(f".{STEPS_KEY}") for name in names)
+    if not path.is_file():
+        return False  # Lightning's load says what is wrong with the path
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    states = list(checkpoint.get("optimizer_states", [])) + [v for v in checkpoint.values() if isinstance(v, dict)]
+    return any(
+        isinstance(entry, dict) and STEPS_KEY in entry
+        for state in states
+        if isinstance(state, dict) and isinstance(state.get("state"), dict)
+        for entry in state["state"].values()
+    )
 
 
 @torch.no_grad()

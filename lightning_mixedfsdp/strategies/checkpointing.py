@@ -22,11 +22,13 @@ from lightning_mixedfsdp.checkpoint.manifest import MANIFEST_KEY, manifest_diffe
 from lightning_mixedfsdp.checkpoint.optimizer_state import (
     ABSENT_STATE_KEY,
     AbsentState,
+    holds_outer_state,
     restoring_missing_state,
     standing_in_for_state_ranks_lack,
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
+from lightning_mixedfsdp.pipeline import ShardedModels
 from lightning_mixedfsdp.planning.types import ShardPlan
 
 WriteCheckpoint = Callable[[Path, Dict[str, Any]], None]
@@ -38,6 +40,7 @@ class CheckpointingMixin:
 
     _config: MixedFSDPConfig
     _fault_tolerance: NoFaultTolerance
+    _sharded: ShardedModels
     _making_optimizer_state: bool
     _save_distributed_checkpoint: bool
     global_rank: int
@@ -90,8 +93,10 @@ class CheckpointingMixin:
         frozen base is compared with the checkpoint's fingerprint: a different one raises under ``strict``, warns
         otherwise."""
         path = recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
-        with self._loading_optimizers(path, module, optimizers, weights_only):
+        holds_outer = bool(self._sharded.outer_syncs()) and holds_outer_state(path, weights_only)
+        with self._loading_optimizers(path, module, optimizers, weights_only, holds_outer):
             loaded = read(path)
+        self._after_loading_outer_state(path, bool(optimizers))
         loaded.pop(ABSENT_STATE_KEY, None)
         self._fault_tolerance.restore_state(loaded)
         saved = loaded.pop(FINGERPRINT_KEY, None)
@@ -101,6 +106,23 @@ class CheckpointingMixin:
         if saved_manifest is not None and manifest is not None:
             self._check_manifest(path, saved_manifest, manifest)
         return loaded
+
+    def _after_loading_outer_state(self, path: Path, with_optimizers: bool) -> None:
+        """The loaded params are every replica's now; an outer sync whose state the load did not carry starts afresh
+        from them (a global copy taken before the load would measure the next cycle from the wrong start)."""
+        for outer in self._sharded.outer_syncs():
+            if outer.loaded:
+                continue
+            outer.reset()
+            if outer.method == "diloco" and with_optimizers and self.global_rank == 0:
+                warnings.warn(
+                    f"{type(self).__name__}: the checkpoint {str(path)!r} holds no outer state for"
+                    " replicate_sync='diloco' (it was saved by a run that synced every step, or before the outer"
+                    " state was saved), so DiLoCo's global copy is taken from the loaded params, its momentum starts"
+                    " at zero and the cycle at step 0. Resume from a checkpoint of this run to continue its outer"
+                    " optimizer.",
+                    stacklevel=3,
+                )
 
     def _manifest(self, module: Optional[nn.Module]) -> Optional[Dict[str, str]]:
         """The keep-fp32 manifest of ``module``'s plan, or of its children's (a LightningModule, whose children the
@@ -149,26 +171,40 @@ class CheckpointingMixin:
         """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others; yields the
         record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
         return self._making_state(
-            standing_in_for_state_ranks_lack(module, optimizers) if module is not None and optimizers else None
+            standing_in_for_state_ranks_lack(module, optimizers) if module is not None and optimizers else None,
+            outer_state=True,
         )
 
     def _loading_optimizers(
-        self, path: Path, module: Optional[nn.Module], optimizers: Dict[str, Optimizer], weights_only: Optional[bool]
+        self,
+        path: Path,
+        module: Optional[nn.Module],
+        optimizers: Dict[str, Optimizer],
+        weights_only: Optional[bool],
+        holds_outer_state: bool,
     ) -> ContextManager:
         """Around Lightning's load: params whose state the checkpoint lacks (they never got a grad) resume as "no
-        state yet"; the zero-lr steps torch takes to make optimizer state are no training steps."""
+        state yet"; the zero-lr steps torch takes to make optimizer state are no training steps; the optimizers'
+        templates ask for semi-synchronous replicas' outer state when the checkpoint holds it (DCP refuses a template
+        key the checkpoint lacks)."""
+        for outer in self._sharded.outer_syncs():
+            outer.loaded = False
         restoring = restoring_missing_state(path, module, optimizers, weights_only) if module is not None else None
-        return self._making_state(restoring if optimizers else None)
+        return self._making_state(restoring if optimizers else None, outer_state=holds_outer_state)
 
     @contextmanager
-    def _making_state(self, inner: Optional[ContextManager]) -> Iterator[AbsentState]:
+    def _making_state(self, inner: Optional[ContextManager], outer_state: bool = False) -> Iterator[AbsentState]:
+        """Inside, torch's zero-lr steps that make optimizer state are no training steps; with ``outer_state`` the
+        optimizers' state dicts carry semi-synchronous replicas' outer state (a save, a load of a checkpoint that holds
+        it)."""
         self._making_optimizer_state = True
         try:
-            if inner is None:
-                yield {}
-            else:
-                with inner as value:
-                    yield value or {}
+            with self._sharded.outer_state_in_checkpoint(outer_state):
+                if inner is None:
+                    yield {}
+                else:
+                    with inner as value:
+                        yield value or {}
         finally:
             self._making_optimizer_state = False
 

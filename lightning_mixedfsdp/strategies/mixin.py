@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from lightning_mixedfsdp.apply.bf16_updates import install_bf16_updates
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
+from lightning_mixedfsdp.apply.semi_sync import without_outer_state
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, semi_synchronous
@@ -185,8 +186,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     def _watch_optimizer(self, optimizer: Optimizer) -> None:
         """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the bf16
         params' updates written back by ``dtypes.bf16_updates``, the models' buffers averaged (``buffers.sync=
-        "average"``), the float8 all-gather's scales computed (``float8``). An optimizer that would compute each
-        update from a shard of a matrix it needs whole is refused first."""
+        "average"``), the float8 all-gather's scales computed (``float8``); its checkpoints carry the outer state of
+        semi-synchronous replicas (``replicate_sync``). An optimizer that would compute each update from a shard of a
+        matrix it needs whole is refused first."""
         refuse_whole_matrix_optimizer(optimizer, type(self).__name__)
         if optimizer not in self._watched:
             # the bf16 params' write-back first: the hooks after it see the step's params
@@ -194,6 +196,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
             install_bf16_updates(optimizer, method, _run_seed, type(self).__name__)
             optimizer.register_step_pre_hook(self._before_optimizer_step)
             optimizer.register_step_post_hook(self._after_optimizer_step)
+            self._sharded.attach_optimizer(optimizer)
+            # after the outer syncs' own: what none of them took (a semi-synchronous run's checkpoint loaded here)
+            optimizer.register_load_state_dict_pre_hook(without_outer_state)
             self._watched.add(optimizer)
             self._optimizer_order.append(weakref.ref(optimizer))
 

@@ -3,6 +3,7 @@
 averaged change is below its spacing (an fp32 global copy keeps it; a bf16 one loses it)."""
 
 import re
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -98,6 +99,104 @@ def _save_mid_cycle(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {"before": before, "after": full_params(model)}
 
 
+RESUME_STEPS, RESUME_AT = 6, 4
+DILOCO_H2 = dict(replicate_sync="diloco", sync_every=2, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM)
+
+
+def _resume_run(
+    rank: int,
+    world_size: int,
+    folder: str,
+    settings: Dict[str, Any],
+    save_at: int = -1,
+    load: bool = False,
+    single_file: bool = False,
+) -> Dict[str, Any]:
+    """AdamW on 2 replicas: steps from ``RESUME_AT`` after a load of ``folder``, else from 0 (a save after step
+    ``save_at``); each step's loss and the final params. A fresh init differs from the saved run's (seed 1)."""
+    import warnings
+
+    fabric = make_fabric(
+        world_size, "32-true", strategy=strategy(2, save_distributed_checkpoint=not single_file, **settings)
+    )
+    torch.manual_seed(1)
+    model = fabric.setup(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)) if load else mlp())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    caught: List[str] = []
+    if load:
+        with warnings.catch_warnings(record=True) as found:
+            warnings.simplefilter("always")
+            fabric.load(folder, {"model": model, "optimizer": optimizer})
+        caught = [str(w.message) for w in found if "outer state" in str(w.message)]
+    losses = []
+    for step in range(RESUME_AT if load else 0, RESUME_STEPS):
+        loss = loss_of(model, batch(rank, step))
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step + 1 == save_at:
+            fabric.save(folder, {"model": model, "optimizer": optimizer})
+    return {"losses": losses, "params": full_params(model), "warnings": caught}
+
+
+def _trainer_fit(world_size: int, folder: str, ckpt_path: Any = None) -> List[float]:
+    """The Trainer with DiLoCo at H=2 for ``RESUME_STEPS`` steps, a checkpoint after step ``RESUME_AT``; the losses."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_mixedfsdp.pytorch import MixedFSDP2Strategy
+    from lightning_mixedfsdp.testing import accelerator_for
+
+    losses: List[float] = []
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, _batch: Any, _index: int) -> torch.Tensor:
+            loss = loss_of(self.net, batch(self.global_rank, self.global_step))  # the step's batch, resumed or not
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    trainer = pl.Trainer(
+        accelerator=accelerator_for(world_size),
+        devices=world_size,
+        strategy=MixedFSDP2Strategy(data_parallel_replicate_size=2, **DILOCO_H2),
+        max_steps=RESUME_STEPS,
+        callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=RESUME_AT, save_top_k=-1)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Regression(), torch.utils.data.DataLoader(torch.zeros(RESUME_STEPS * 2, 1)), ckpt_path=ckpt_path)
+    return losses
+
+
+def _resumes(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    """DiLoCo at H=2 saved at step 4 (a sync point) as DCP and as one file, resumed; across the two kinds of run."""
+    runs = {
+        "uninterrupted": _resume_run(rank, world_size, folder + "/dcp", DILOCO_H2, save_at=RESUME_AT),
+        "resumed": _resume_run(rank, world_size, folder + "/dcp", DILOCO_H2, load=True),
+    }
+    _resume_run(rank, world_size, folder + "/file", DILOCO_H2, save_at=RESUME_AT, single_file=True)
+    runs["resumed_from_file"] = _resume_run(rank, world_size, folder + "/file", DILOCO_H2, load=True, single_file=True)
+    runs["every_step_from_diloco"] = _resume_run(rank, world_size, folder + "/dcp", {}, load=True)
+    _resume_run(rank, world_size, folder + "/every_step", {}, save_at=RESUME_AT)
+    runs["diloco_from_every_step"] = _resume_run(rank, world_size, folder + "/every_step", DILOCO_H2, load=True)
+    trainer_losses = _trainer_fit(world_size, folder + "/trainer")
+    checkpoint = next(Path(folder, "trainer").glob(f"*step={RESUME_AT}*"))
+    runs["trainer"] = {
+        "uninterrupted": trainer_losses[RESUME_AT:],
+        "resumed": _trainer_fit(world_size, folder + "/trainer_resumed", str(checkpoint)),
+    }
+    return runs
+
+
 def _lora_with_activation_checkpointing(rank: int, world_size: int) -> Dict[str, Any]:
     """An HF Llama with LoRA adapters, activation checkpointing, DiLoCo at H=2 on 2 replicas: only the adapters sync."""
     from peft import LoraConfig, get_peft_model
@@ -135,6 +234,7 @@ def _scenarios_2x1(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         "bf16_bf16_state": _bf16_below_spacing(rank, world_size, torch.bfloat16),
         "saved": _save_mid_cycle(rank, world_size, folder),
         "lora": _lora_with_activation_checkpointing(rank, world_size),
+        "resume": _resumes(rank, world_size, folder + "_resume"),
     }
 
 
@@ -227,6 +327,35 @@ def test_a_save_mid_cycle_syncs_the_replicas_first(two_by_one: list) -> None:
     first, second = two_by_one[0]["saved"], two_by_one[1]["saved"]
     assert any(not torch.equal(first["before"][k], second["before"][k]) for k in first["before"])  # mid-cycle
     assert all(torch.equal(first["after"][k], second["after"][k]) for k in first["after"])  # synced by the save
+
+
+def test_a_resume_from_a_sync_point_repeats_the_uninterrupted_run(two_by_one: list) -> None:
+    """The outer state (DiLoCo's fp32 global copy, its momentum, the cycle's position) is in the checkpoint, and the
+    save made the replicas' AdamW states equal: the resumed steps' losses and the params after the next outer step
+    equal the uninterrupted run's, from a DCP folder and from one file (Fabric), and the Trainer's resumed losses
+    equal its uninterrupted ones; without the outer state the momentum would restart at zero and the params differ."""
+    for rank in (0, 1):
+        runs = two_by_one[rank]["resume"]
+        uninterrupted = runs["uninterrupted"]
+        for resumed in (runs["resumed"], runs["resumed_from_file"]):
+            assert resumed["losses"] == uninterrupted["losses"][RESUME_AT:]
+            assert_close(resumed["params"], uninterrupted["params"], 0.0)
+            assert resumed["warnings"] == []
+        assert len(runs["trainer"]["resumed"]) == RESUME_STEPS - RESUME_AT
+        assert runs["trainer"]["resumed"] == runs["trainer"]["uninterrupted"]
+
+
+def test_checkpoints_cross_between_semi_synchronous_and_every_step_runs(two_by_one: list) -> None:
+    """An every-step run loads a DiLoCo checkpoint (its outer state left out); a DiLoCo run loads an every-step one,
+    starting its outer state afresh from the loaded params, and says so (rank 0)."""
+    for rank in (0, 1):
+        runs = two_by_one[rank]["resume"]
+        assert len(runs["every_step_from_diloco"]["losses"]) == RESUME_STEPS - RESUME_AT
+        assert runs["every_step_from_diloco"]["losses"][0] == runs["uninterrupted"]["losses"][RESUME_AT]
+        assert runs["every_step_from_diloco"]["warnings"] == []
+    warned = two_by_one[0]["resume"]["diloco_from_every_step"]["warnings"]
+    assert len(warned) == 1 and "holds no outer state for replicate_sync='diloco'" in warned[0]
+    assert two_by_one[1]["resume"]["diloco_from_every_step"]["warnings"] == []
 
 
 def test_lora_with_activation_checkpointing_syncs_the_adapters_alone(two_by_one: list) -> None:
