@@ -253,19 +253,21 @@ class OuterSync:
 
 def _check_same_sizes(parts: List[Tensor], group: "ProcessGroup") -> None:
     """Every replica holds optimizer state for the same params (else their averaging would not line up): raises on
-    every rank where one does not (a param some replica never took a step for)."""
+    every rank of the job where some replica does not (a param it never took an optimizer step for)."""
     import torch.distributed as dist
 
     elements = sum(part.numel() for part in parts)
     device = parts[0].device if parts else torch.device("cpu")
     bounds = torch.tensor([elements, -elements], dtype=torch.int64, device=device)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    if bounds[0].item() != -bounds[1].item():
+    differ = torch.tensor([int(bounds[0].item() != -bounds[1].item())], dtype=torch.int64, device=device)
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX)  # every rank, not only this replicate group's, raises
+    if differ.item():
         raise RuntimeError(
-            "mixed_fsdp2 (replicate_sync): the replicas hold optimizer state for different params (from"
-            f" {-bounds[1].item()} to {bounds[0].item()} elements on this rank's shards), so a checkpoint cannot keep"
-            " one copy of it: a param some replica never took an optimizer step for. Save after a step in which"
-            " every replica's batch reached every trainable param, or use replicate_sync='every_step'."
+            "mixed_fsdp2 (replicate_sync): the replicas hold optimizer state for different params, so a checkpoint"
+            " cannot keep one copy of it: a param some replica never took an optimizer step for (this rank's shards:"
+            f" {-bounds[1].item()} to {bounds[0].item()} elements across its replicate group). Save after a step in"
+            " which every replica's batch reached every trainable param, or use replicate_sync='every_step'."
         )
 
 

@@ -197,6 +197,29 @@ def _resumes(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return runs
 
 
+def _save_with_state_one_replica_lacks(rank: int, world_size: int, folder: str) -> str:
+    """Replica 1 never uses the second head, so its AdamW holds no state for it: the save refuses on both ranks."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, inputs: torch.Tensor, both: bool) -> torch.Tensor:
+            return self.first(inputs) + (self.second(inputs) if both else 0)
+
+    fabric = make_fabric(world_size, "32-true", strategy=strategy(2, replicate_sync="diloco", sync_every=2))
+    model = fabric.setup(TwoHeads())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    fabric.backward(model(batch(rank, 0), both=rank == 0).square().mean())
+    optimizer.step()
+    try:
+        fabric.save(folder, {"model": model, "optimizer": optimizer})
+    except RuntimeError as err:
+        return str(err)
+    return "saved"
+
+
 def _lora_with_activation_checkpointing(rank: int, world_size: int) -> Dict[str, Any]:
     """An HF Llama with LoRA adapters, activation checkpointing, DiLoCo at H=2 on 2 replicas: only the adapters sync."""
     from peft import LoraConfig, get_peft_model
@@ -235,6 +258,7 @@ def _scenarios_2x1(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         "saved": _save_mid_cycle(rank, world_size, folder),
         "lora": _lora_with_activation_checkpointing(rank, world_size),
         "resume": _resumes(rank, world_size, folder + "_resume"),
+        "state_one_replica_lacks": _save_with_state_one_replica_lacks(rank, world_size, folder + "_lacks"),
     }
 
 
@@ -356,6 +380,13 @@ def test_checkpoints_cross_between_semi_synchronous_and_every_step_runs(two_by_o
     warned = two_by_one[0]["resume"]["diloco_from_every_step"]["warnings"]
     assert len(warned) == 1 and "holds no outer state for replicate_sync='diloco'" in warned[0]
     assert two_by_one[1]["resume"]["diloco_from_every_step"]["warnings"] == []
+
+
+def test_a_save_refuses_optimizer_state_some_replica_lacks_on_every_rank(two_by_one: list) -> None:
+    for rank in (0, 1):
+        message = two_by_one[rank]["state_one_replica_lacks"]
+        assert "the replicas hold optimizer state for different params" in message, message
+        assert "replicate_sync='every_step'" in message
 
 
 def test_lora_with_activation_checkpointing_syncs_the_adapters_alone(two_by_one: list) -> None:
