@@ -96,7 +96,7 @@ class CheckpointingMixin:
         holds_outer = bool(self._sharded.outer_syncs()) and holds_outer_state(path, weights_only)
         with self._loading_optimizers(path, module, optimizers, weights_only, holds_outer):
             loaded = read(path)
-        self._after_loading_outer_state(path, bool(optimizers))
+        restart_outer_syncs_not_loaded(self._sharded, path, bool(optimizers), type(self).__name__, self.global_rank)
         loaded.pop(ABSENT_STATE_KEY, None)
         self._fault_tolerance.restore_state(loaded)
         saved = loaded.pop(FINGERPRINT_KEY, None)
@@ -106,23 +106,6 @@ class CheckpointingMixin:
         if saved_manifest is not None and manifest is not None:
             self._check_manifest(path, saved_manifest, manifest)
         return loaded
-
-    def _after_loading_outer_state(self, path: Path, with_optimizers: bool) -> None:
-        """The loaded params are every replica's now; an outer sync whose state the load did not carry starts afresh
-        from them (a global copy taken before the load would measure the next cycle from the wrong start)."""
-        for outer in self._sharded.outer_syncs():
-            if outer.loaded:
-                continue
-            outer.reset()
-            if outer.method == "diloco" and with_optimizers and self.global_rank == 0:
-                warnings.warn(
-                    f"{type(self).__name__}: the checkpoint {str(path)!r} holds no outer state for"
-                    " replicate_sync='diloco' (it was saved by a run that synced every step, or before the outer"
-                    " state was saved), so DiLoCo's global copy is taken from the loaded params, its momentum starts"
-                    " at zero and the cycle at step 0. Resume from a checkpoint of this run to continue its outer"
-                    " optimizer.",
-                    stacklevel=3,
-                )
 
     def _manifest(self, module: Optional[nn.Module]) -> Optional[Dict[str, str]]:
         """The keep-fp32 manifest of ``module``'s plan, or of its children's (a LightningModule, whose children the
@@ -228,3 +211,22 @@ class CheckpointingMixin:
         ``adapter_config.json``); ``PeftModel.from_pretrained(base, directory)`` loads it. Every rank calls it."""
         self.plan_of(module)  # set up by this strategy
         return export_adapter(module, directory)
+
+
+def restart_outer_syncs_not_loaded(
+    sharded: ShardedModels, path: Path, with_optimizers: bool, owner: str, global_rank: int
+) -> None:
+    """After a load, the loaded params are every replica's; an outer sync whose state the load did not carry starts
+    afresh from them (a global copy taken before the load would measure the next cycle from the wrong start)."""
+    for outer in sharded.outer_syncs():
+        if outer.loaded:
+            continue
+        outer.reset()
+        if outer.method == "diloco" and with_optimizers and global_rank == 0:
+            warnings.warn(
+                f"{owner}: the checkpoint {str(path)!r} holds no outer state for replicate_sync='diloco' (it was saved"
+                " by a run that synced every step, or before the outer state was saved), so DiLoCo's global copy is"
+                " taken from the loaded params, its momentum starts at zero and the cycle at step 0. Resume from a"
+                " checkpoint of this run to continue its outer optimizer.",
+                stacklevel=4,
+            )
