@@ -96,6 +96,8 @@ class OuterSync:
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.steps = 0
         """Optimizer steps taken; a sync follows each ``sync_every``-th."""
+        self.synced_at = 0
+        """The step count at the last sync (an early one before a save included)."""
         self.syncs = 0
         self.global_copy: List[Tensor] = []
         """DiLoCo: each param's local part in fp32, as of the last sync (taken before the first optimizer step: after
@@ -121,7 +123,7 @@ class OuterSync:
     def reset(self) -> None:
         """Start afresh from the params as they are now (loaded): DiLoCo's global copy taken at the next step, its
         momentum zero, the cycle at step 0."""
-        self.global_copy, self.momentum, self.steps = [], [], 0
+        self.global_copy, self.momentum, self.steps, self.synced_at = [], [], 0, 0
 
     def before_step(self) -> None:
         """Before an optimizer step: DiLoCo's global copy taken from the params the first time (they are initialised
@@ -172,8 +174,8 @@ class OuterSync:
                     state[saved_id] = entry
                 else:
                     del state[saved_id]
-        if steps is not None:
-            self.steps, self.loaded = steps, True
+        if steps is not None:  # saved right after a sync (the save's own, if mid-cycle)
+            self.steps, self.synced_at, self.loaded = steps, steps, True
         return {**state_dict, "state": state}
 
     def after_step(self) -> None:
@@ -185,7 +187,7 @@ class OuterSync:
     @property
     def mid_cycle(self) -> bool:
         """Whether the replicas took steps since the last sync (they differ)."""
-        return self.steps % self.sync_every != 0
+        return self.steps != self.synced_at
 
     @torch.no_grad()
     def before_save(self) -> None:
@@ -218,6 +220,7 @@ class OuterSync:
             else:
                 self._outer_step(bucket)
         self.syncs += 1
+        self.synced_at = self.steps
 
     def _average(self, params: List[nn.Parameter]) -> None:
         self._average_parts([local_tensor(p) for p in params])

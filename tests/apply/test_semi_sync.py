@@ -96,7 +96,9 @@ def _save_mid_cycle(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         optimizer.zero_grad()
     before = full_params(model)
     fabric.save(folder, {"model": model, "optimizer": optimizer})
-    return {"before": before, "after": full_params(model)}
+    after = full_params(model)
+    fabric.save(folder + "_again", {"model": model, "optimizer": optimizer})  # e.g. a top-k and a `last` save
+    return {"before": before, "after": after, "after_second_save": full_params(model)}
 
 
 RESUME_STEPS, RESUME_AT = 6, 4
@@ -351,6 +353,8 @@ def test_a_save_mid_cycle_syncs_the_replicas_first(two_by_one: list) -> None:
     first, second = two_by_one[0]["saved"], two_by_one[1]["saved"]
     assert any(not torch.equal(first["before"][k], second["before"][k]) for k in first["before"])  # mid-cycle
     assert all(torch.equal(first["after"][k], second["after"][k]) for k in first["after"])  # synced by the save
+    # a second save at the same step finds them synced: no second outer step (its momentum would move them)
+    assert all(torch.equal(first["after"][k], first["after_second_save"][k]) for k in first["after"])
 
 
 def test_a_resume_from_a_sync_point_repeats_the_uninterrupted_run(two_by_one: list) -> None:
