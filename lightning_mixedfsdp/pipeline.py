@@ -22,7 +22,8 @@ from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel, context_parallel_problems
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
-from lightning_mixedfsdp.apply.semi_sync import OuterSync, semi_sync_problems
+from lightning_mixedfsdp.apply.semi_sync import OuterExchange, OuterSync, semi_sync_problems
+from lightning_mixedfsdp.apply.semi_sync_checkpoint import attach_outer_state
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
@@ -56,11 +57,13 @@ def shard_model(
     parallelize: Optional[ParallelizeFn] = None,
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
     context_parallel: Optional[ContextParallel] = None,
+    outer_exchange: Optional[OuterExchange] = None,
 ) -> ShardedModel:
     """Plan, apply, materialise, sync and check ``module``; ``config`` is validated already. Every data-parallel rank
     calls it with the same model. ``cross_replica_reduce`` averages every gradient across fault-tolerant replica
     groups, after its reduction within the group. ``context_parallel``: the run's one context parallelism (the
-    strategy's; made from ``meshes`` when not given)."""
+    strategy's; made from ``meshes`` when not given). ``outer_exchange``: semi-synchronous replicas' link across
+    fault-tolerant replica groups."""
     if module in _SET_UP:
         raise RuntimeError(
             f"mixed_fsdp2: this {user_class_name(module)} is already set up (sharded, with hooks installed); a second"
@@ -73,17 +76,18 @@ def shard_model(
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
-    problems = setup_problems(plan, config, cross_replica_reduce is not None)
+    problems = setup_problems(plan, config, cross_replica_reduce is not None or outer_exchange is not None)
     if problems:  # the same plan on every rank: every rank raises the same, before any collective
         raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(problems))
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.diagnostics.print_report:
         _on_rank_zero(lambda: log.info(format_plan(plan)))
     options = ApplyOptions.of(config)
+    parallelize = parallelize or _identity
     module, applied = apply_plan(
-        module, plan, meshes, device, parallelize or _identity, options, cross_replica_reduce, context_parallel
+        module, plan, meshes, device, parallelize, options, cross_replica_reduce, context_parallel, outer_exchange
     )
-    if applied is None and cross_replica_reduce is not None:
+    if applied is None and (cross_replica_reduce is not None or outer_exchange is not None):
         raise ValueError(
             "mixed_fsdp2: fault_tolerance reduces every gradient across replica groups through the dtype plan's FSDP"
             " groups, but `parallelize_fn` (or `configure_model`) sharded the model with `fully_shard` itself. Remove"
@@ -110,7 +114,6 @@ def setup_problems(plan: ShardPlan, config: MixedFSDPConfig, fault_tolerant: boo
     problems = conditional_problems(plan, parallelism.context_parallel_size, fault_tolerant)
     return problems + semi_sync_problems(
         parallelism.replicate_sync,
-        fault_tolerant or config.fault_tolerance is not None,
         parallelism.context_parallel_size,
         parallelism.expert_parallel_size,
         config.memory.offload,
@@ -175,7 +178,7 @@ class ShardedModels:
         """``optimizer``'s checkpoints carry the outer state of the semi-synchronous params it holds."""
         for applied in list(self._applied.values()):
             if applied.outer is not None:
-                applied.outer.attach(optimizer)
+                attach_outer_state(applied.outer, optimizer)
 
     def outer_syncs(self) -> List[OuterSync]:
         """The semi-synchronous models' outer syncs, in setup order."""

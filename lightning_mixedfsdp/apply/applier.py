@@ -35,7 +35,7 @@ from lightning_mixedfsdp.apply.replicate import (
     fsdp_gradient_divide_factor,
     replicate_params,
 )
-from lightning_mixedfsdp.apply.semi_sync import OuterSync
+from lightning_mixedfsdp.apply.semi_sync import GroupExchange, OuterExchange, OuterSync
 from lightning_mixedfsdp.apply.unfreeze import apply_unfreeze_check
 from lightning_mixedfsdp.compat.torch import checkpoint_wrapper, replace_buffer
 from lightning_mixedfsdp.config import BufferSyncMode, Parallelism
@@ -86,13 +86,14 @@ def apply_plan(
     options: Optional[ApplyOptions] = None,
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
     context_parallel: Optional[ContextParallel] = None,
+    outer_exchange: Optional[OuterExchange] = None,
 ) -> Tuple[nn.Module, Optional[AppliedPlan]]:
     """Shard ``model`` as ``plan`` says, with the config's ``options`` (resharding, activation checkpointing, compile,
     offload, emulated float8). Returns the (possibly new) model and the applied plan, or None for the plan when the
     model was sharded with FSDP already (a Trainer's ``configure_model``) or the user's ``parallelize`` shards it
-    itself. ``cross_replica_reduce``: every gradient is also averaged across fault-tolerant replica groups by it,
-    after its reduction within the group. ``context_parallel``: the run's context parallelism (one per run, the
-    strategy's), made here from ``meshes`` when not given."""
+    itself. Fault tolerance's links: ``cross_replica_reduce`` averages every gradient across replica groups after its
+    reduction within the group; ``outer_exchange`` syncs semi-synchronous groups. ``context_parallel``: the run's
+    (the strategy's), made from ``meshes`` when not given."""
     options = options or ApplyOptions()
     if _already_sharded(model):
         return model, None
@@ -134,22 +135,31 @@ def apply_plan(
         apply_cross_replica_reduction(model, reducer, cross_replica_reduce)
     applied = AppliedPlan(plan, replicas, reducer, tracker, handles=handles, restores=restores)
     applied.after_step.extend([float8_after_step] if float8_after_step is not None else [])
-    applied.outer = apply_outer_sync(model, meshes.outer, options.parallelism, device) if meshes.outer else None
-    applied.after_step.extend([applied.outer.after_step] if applied.outer is not None else [])
+    applied.outer = apply_outer_sync(model, outer_exchange, meshes.outer, options.parallelism, device, applied)
     return model, applied
 
 
 def apply_outer_sync(
-    model: nn.Module, outer: "DeviceMesh", parallelism: Parallelism, device: torch.device
-) -> OuterSync:
-    """Local SGD or DiLoCo over the replicate dim for the model's trainable params (after ``fully_shard``: its
-    shards), the outer state where ``outer_state`` says."""
+    model: nn.Module,
+    exchange: Optional[OuterExchange],
+    outer: Optional["DeviceMesh"],
+    parallelism: Parallelism,
+    device: torch.device,
+    applied: AppliedPlan,
+) -> Optional[OuterSync]:
+    """Local SGD or DiLoCo for the model's trainable params (after ``fully_shard``: its shards), over ``exchange``
+    (fault-tolerant replica groups) or the semi-synchronous meshes' replicate dim ``outer``, after ``applied``'s
+    other steps; the outer state where ``outer_state`` says. None when replicas sync every step."""
+    if exchange is None and outer is not None:
+        exchange = GroupExchange(outer.get_group())
+    if exchange is None:
+        return None
     method = parallelism.replicate_sync
-    assert method != "every_step"  # the meshes are semi-synchronous only when asked
+    assert method != "every_step"  # an exchange or an outer mesh exists only when asked
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return OuterSync(
+    sync = OuterSync(
         trainable,
-        outer.get_group(),
+        exchange,
         method,
         parallelism.sync_every,
         parallelism.outer_lr,
@@ -157,6 +167,10 @@ def apply_outer_sync(
         parallelism.outer_nesterov,
         torch.device("cpu") if parallelism.outer_state == "cpu" else device,
     )
+    applied.after_step.append(sync.after_step)
+    if exchange.deferred:  # fault-tolerant groups meet before their first step
+        applied.handles.append(model.register_forward_pre_hook(sync.join, prepend=True))
+    return sync
 
 
 def apply_context_parallel_hooks(

@@ -15,16 +15,12 @@ The global copy and the momentum are fp32 (on the host by default), so an averag
 spacing accumulates there instead of rounding away: it moves the bf16 param once the sum crosses half a spacing.
 Frozen params take no part (a 4-bit base, a frozen tower).
 
-Checkpoints hold the outer state beside the optimizer's own, under each param's entry of the optimizer's state dict
-(``outer_steps``, the cycle's position; for DiLoCo ``outer_global`` and ``outer_momentum``, fp32 and sharded like the
-param), so DCP writes and reshards them as it does AdamW's moments, and a single-file checkpoint gathers them. They
-are added only to the state dicts taken for a checkpoint (:attr:`OuterSync.in_checkpoint`), never to the optimizer's
-live state (AdamW makes its state only where a param has none), and taken out of a loaded state dict before torch's
-``load_state_dict`` (which would cast them to the param's dtype).
+Checkpoints carry the outer state (``semi_sync_checkpoint.py``); fault-tolerant replica groups sync through torchft's
+manager (an :class:`OuterExchange`), meeting only at their syncs.
 """
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +33,46 @@ if TYPE_CHECKING:
 
 BUCKET_BYTES = 64 << 20
 """fp32 bytes of pseudo-gradients (or params) per all-reduce."""
-STEPS_KEY, GLOBAL_KEY, MOMENTUM_KEY = "outer_steps", "outer_global", "outer_momentum"
-OUTER_STATE_KEYS = (STEPS_KEY, GLOBAL_KEY, MOMENTUM_KEY)
-"""The outer state's entries in a param's optimizer state, in checkpoints only."""
+
+
+class GroupExchange:
+    """The replicas' exchange over a process group (HSDP's replicate dim): every all-reduce succeeds or raises."""
+
+    deferred = False
+    """Whether averaged results wait for :meth:`commit` before they are applied."""
+
+    def __init__(self, group: "ProcessGroup") -> None:
+        self.group = group
+
+    def begin(self) -> None:
+        """Before a sync's all-reduces."""
+
+    def average(self, flat: Tensor) -> None:
+        """``flat`` becomes its mean over the replicas, in place."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+
+    def commit(self) -> bool:
+        """Whether every all-reduce since :meth:`begin` succeeded on every replica."""
+        return True
+
+
+class OuterExchange(Protocol):
+    """What a sync needs from the replicas' link: :class:`GroupExchange`, or fault tolerance's replica groups (a
+    quorum at :meth:`begin`, where a restarted group heals; averages deferred until the vote at :meth:`commit`)."""
+
+    deferred: bool
+
+    def begin(self) -> None: ...
+
+    def average(self, flat: Tensor) -> None: ...
+
+    def commit(self) -> bool: ...
 
 
 def semi_sync_problems(
     method: str,
-    fault_tolerant: bool,
     context_parallel: int,
     expert_parallel: int,
     offload: Optional[str],
@@ -53,12 +81,11 @@ def semi_sync_problems(
     compile: bool = False,
 ) -> List[str]:
     """What ``replicate_sync=method`` does not compose with (untested), each with its fix. Tested with it: activation
-    checkpointing and LoRA (the adapters' outer state only)."""
+    checkpointing, LoRA (the adapters' outer state only) and fault-tolerant replica groups."""
     if method == "every_step":
         return []
     problems = []
     untested = {
-        "fault_tolerance (torchft replica groups)": fault_tolerant,
         f"context_parallel_size={context_parallel}": context_parallel > 1,
         f"expert_parallel_size={expert_parallel}": expert_parallel > 1,
         f"offload={offload!r}": offload is not None,
@@ -76,13 +103,13 @@ def semi_sync_problems(
 
 
 class OuterSync:
-    """Local SGD or DiLoCo over ``group`` (the ranks holding the same shards in every replica) for ``params`` (the
-    trainable ones, sharded or replicated within a replica), after every ``sync_every``-th optimizer step."""
+    """Local SGD or DiLoCo over ``exchange`` (with the ranks holding the same shards in every replica) for ``params``
+    (the trainable ones, sharded or replicated within a replica), after every ``sync_every``-th optimizer step."""
 
     def __init__(
         self,
         params: Sequence[nn.Parameter],
-        group: "ProcessGroup",
+        exchange: OuterExchange,
         method: Literal["local_sgd", "diloco"],
         sync_every: int,
         outer_lr: float = 0.7,
@@ -92,7 +119,7 @@ class OuterSync:
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.params = list(params)
-        self.group, self.method, self.sync_every = group, method, sync_every
+        self.exchange, self.method, self.sync_every = exchange, method, sync_every
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.steps = 0
         """Optimizer steps taken; a sync follows each ``sync_every``-th."""
@@ -104,21 +131,27 @@ class OuterSync:
         initialisation and any load)."""
         self.momentum: List[Tensor] = []
         self._state_device, self._state_dtype = state_device, state_dtype
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.index = {id(p): i for i, p in enumerate(self.params)}
         self.in_checkpoint = False
         """Whether the optimizers' state dicts taken now are for a checkpoint (a save, or the template of a load of
         one that holds the outer state): they carry the outer state then (the strategies set it)."""
         self.loaded = False
         """Whether a loaded optimizer state held the outer state."""
-        self._optimizers: List["weakref.ref[Optimizer]"] = []
+        self.optimizers: List["weakref.ref[Optimizer]"] = []
+        """The optimizers whose state dicts carry the outer state (``semi_sync_checkpoint.attach_outer_state``)."""
+        self._joined = False
 
-    def attach(self, optimizer: "Optimizer") -> None:
-        """``optimizer``'s state dicts carry the outer state of the params it holds (saved, loaded and resharded with
-        its own); nothing when it holds none of them."""
-        if any(id(p) in self._index for group in optimizer.param_groups for p in group["params"]):
-            optimizer.register_state_dict_post_hook(self._add_to_state_dict)
-            optimizer.register_load_state_dict_pre_hook(self._take_from_state_dict)
-            self._optimizers.append(weakref.ref(optimizer))
+    @torch.compiler.disable
+    def join(self, *_: Any) -> None:
+        """Before the first training forward, under fault tolerance (a forward pre-hook): a sync of nothing yet, whose
+        quorum makes the groups start alike. A fresh job's groups take one group's initial params there (torchft's
+        first-step sync); a restarted group meets the live groups at their next sync, heals there (params,
+        optimizer and outer state) and takes part in it, so its first step is the live groups' next one."""
+        if self._joined or not torch.is_grad_enabled():
+            return
+        self._joined = True
+        self.before_step()
+        self.sync()
 
     def reset(self) -> None:
         """Start afresh from the params as they are now (loaded): DiLoCo's global copy taken at the next step, its
@@ -136,47 +169,6 @@ class OuterSync:
                 part.to(self._state_device or part.device, self._state_dtype, copy=True) for part in parts
             ]
             self.momentum = [torch.zeros_like(g) for g in self.global_copy]
-
-    def _add_to_state_dict(self, optimizer: "Optimizer", state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        if not self.in_checkpoint:
-            return state_dict
-        self.before_step()  # DiLoCo's global copy, if no step took it yet
-        state = dict(state_dict["state"])  # its entries are the optimizer's live state dicts: replaced, not changed
-        for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=True):
-            for saved_id, param in zip(saved_group["params"], group["params"], strict=True):
-                index = self._index.get(id(param))
-                if index is None:
-                    continue
-                entry = {**state.get(saved_id, {}), STEPS_KEY: torch.tensor(self.steps, dtype=torch.int64)}
-                if self.method == "diloco":
-                    entry[GLOBAL_KEY] = _shaped_like(self.global_copy[index], param)
-                    entry[MOMENTUM_KEY] = _shaped_like(self.momentum[index], param)
-                state[saved_id] = entry
-        return {**state_dict, "state": state}
-
-    def _take_from_state_dict(self, optimizer: "Optimizer", state_dict: Dict[str, Any]) -> Dict[str, Any]:
-        state = dict(state_dict["state"])
-        steps: Optional[int] = None
-        for saved_group, group in zip(state_dict["param_groups"], optimizer.param_groups, strict=False):
-            for saved_id, param in zip(saved_group["params"], group["params"], strict=False):
-                saved = state.get(saved_id)
-                if saved is None or not any(key in saved for key in OUTER_STATE_KEYS):
-                    continue
-                entry = {key: value for key, value in saved.items() if key not in OUTER_STATE_KEYS}
-                index = self._index.get(id(param))
-                if index is not None and STEPS_KEY in saved:
-                    steps = int(saved[STEPS_KEY])
-                    if self.method == "diloco" and GLOBAL_KEY in saved and MOMENTUM_KEY in saved:
-                        self.before_step()
-                        self.global_copy[index].copy_(local_tensor(saved[GLOBAL_KEY]))
-                        self.momentum[index].copy_(local_tensor(saved[MOMENTUM_KEY]))
-                if entry:
-                    state[saved_id] = entry
-                else:
-                    del state[saved_id]
-        if steps is not None:  # saved right after a sync (the save's own, if mid-cycle)
-            self.steps, self.synced_at, self.loaded = steps, steps, True
-        return {**state_dict, "state": state}
 
     def after_step(self) -> None:
         """Count an optimizer step; sync after every ``sync_every``-th."""
@@ -197,54 +189,68 @@ class OuterSync:
         then repeats the run that saved."""
         if self.mid_cycle:
             self.sync()
-        states = [
-            value
-            for reference in self._optimizers
-            for optimizer in [reference()]
-            if optimizer is not None
-            for param in self.params
-            for key, value in optimizer.state.get(param, {}).items()
-            if key != "step" and isinstance(value, Tensor) and value.is_floating_point()
-        ]
-        parts = [local_tensor(state) for state in states]
-        _check_same_sizes(parts, self.group)
-        for bucket in _buckets(parts, BUCKET_BYTES):
-            self._average_parts([parts[i] for i in bucket])
+        parts = _inner_states([reference() for reference in self.optimizers], self.params)
+        self.exchange.begin()
+        _check_same_sizes(parts, self.exchange)
+        self._exchanged(
+            [[parts[i] for i in bucket] for bucket in _buckets(parts, BUCKET_BYTES)],
+            lambda bucket: torch.cat([part.reshape(-1).float() for part in bucket]),
+            _scatter_into,
+        )
 
     @torch.no_grad()
     def sync(self) -> None:
-        """The outer step now (every rank of the replicate dim calls it at the same step)."""
-        for bucket in _buckets([local_tensor(p) for p in self.params], BUCKET_BYTES):
-            if self.method == "local_sgd":
-                self._average([self.params[i] for i in bucket])
+        """The outer step now (every rank of the replicate dim calls it at the same step). Under fault tolerance the
+        quorum comes first (a restarted group heals there, taking a live group's params and outer state), and a sync
+        that failed on some group (a peer died inside it) is not applied: the replicas go on from their local params
+        and sync again at the next ``sync_every``-th step."""
+        self.exchange.begin()
+        parts = [local_tensor(p) for p in self.params]
+        buckets = [[self.params[i] for i in bucket] for bucket in _buckets(parts, BUCKET_BYTES)]
+        if self.method == "local_sgd":
+            applied = self._exchanged(
+                buckets, lambda bucket: torch.cat([local_tensor(p).reshape(-1).float() for p in bucket]), _params_from
+            )
+        else:
+            applied = self._exchanged(buckets, self._pseudo_gradient, self._outer_step)
+        if applied:
+            self.syncs += 1
+            self.synced_at = self.steps
+
+    def _exchanged(
+        self, buckets: List[List[Any]], flatten: Callable[[List[Any]], Tensor], apply: Callable[[Tensor, Any], None]
+    ) -> bool:
+        """Each bucket flattened and averaged over the replicas, then applied: at once over a process group; under
+        fault tolerance all after the vote, and none when it fails. Returns whether they were applied."""
+        pending: List[Tuple[Tensor, List[Any]]] = []
+        for bucket in buckets:
+            flat = flatten(bucket)
+            self.exchange.average(flat)
+            if self.exchange.deferred:
+                pending.append((flat, bucket))
             else:
-                self._outer_step(bucket)
-        self.syncs += 1
-        self.synced_at = self.steps
+                apply(flat, bucket)
+        if not self.exchange.commit():
+            return False
+        for flat, bucket in pending:
+            apply(flat, bucket)
+        return True
 
-    def _average(self, params: List[nn.Parameter]) -> None:
-        self._average_parts([local_tensor(p) for p in params])
+    def _pseudo_gradient(self, bucket: List[nn.Parameter]) -> Tensor:
+        """What this replica's local steps changed, in fp32, from the params it started the cycle with (the global
+        copy in the param's dtype): the global copy's part below the param's spacing stays out."""
+        flats = []
+        for param in bucket:
+            part = local_tensor(param)
+            start = self.global_copy[self.index[id(param)]].to(device=part.device, dtype=part.dtype).float()
+            flats.append((start - part.float()).reshape(-1))
+        return torch.cat(flats)
 
-    def _average_parts(self, parts: List[Tensor]) -> None:
-        import torch.distributed as dist
-
-        flat = torch.cat([part.reshape(-1).float() for part in parts])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
-        _scatter_into(flat, parts)
-
-    def _outer_step(self, bucket: List[int]) -> None:
-        import torch.distributed as dist
-
-        parts = [local_tensor(self.params[i]) for i in bucket]
-        device = parts[0].device
-        globals_ = [self.global_copy[i] for i in bucket]
-        # the pseudo-gradient in fp32: what this replica's local steps changed, from the params it started the cycle
-        # with (the global copy in the param's dtype); the global copy's part below the param's spacing stays out
-        starts = [g.to(device=device, dtype=p.dtype).float() for g, p in zip(globals_, parts, strict=True)]
-        flat = torch.cat([(start - p.float()).reshape(-1) for start, p in zip(starts, parts, strict=True)])
-        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+    def _outer_step(self, flat: Tensor, bucket: List[nn.Parameter]) -> None:
+        """Nesterov SGD on the global copy with the averaged pseudo-gradients ``flat``; the params take the copy."""
         offset = 0
-        for index, part in zip(bucket, parts, strict=True):
+        for param in bucket:
+            index, part = self.index[id(param)], local_tensor(param)
             delta = flat[offset : offset + part.numel()].view(part.shape).to(self.global_copy[index].device)
             offset += part.numel()
             momentum = self.momentum[index]
@@ -253,47 +259,61 @@ class OuterSync:
             self.global_copy[index].sub_(update.to(momentum.dtype), alpha=self.outer_lr)
             part.copy_(self.global_copy[index])  # cast to the param's own dtype
 
+    def state_dict(self) -> Dict[str, Any]:
+        """The outer state a heal carries (fault tolerance): the cycle's position, DiLoCo's global copy and momentum
+        (this rank's parts, copied: the live group trains on while a peer reads them)."""
+        return {
+            "steps": self.steps,
+            "synced_at": self.synced_at,
+            "global_copy": [g.detach().cpu().clone() for g in self.global_copy],
+            "momentum": [m.detach().cpu().clone() for m in self.momentum],
+        }
 
-def _check_same_sizes(parts: List[Tensor], group: "ProcessGroup") -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """A live group's :meth:`state_dict`, written into this one (a heal; params and optimizer arrive beside it)."""
+        self.steps, self.synced_at = state["steps"], state["synced_at"]
+        if self.method == "diloco" and state["global_copy"]:
+            self.global_copy, self.momentum = [], []
+            self.before_step()
+            theirs = [*state["global_copy"], *state["momentum"]]
+            for mine, saved in zip([*self.global_copy, *self.momentum], theirs, strict=True):
+                mine.copy_(saved)
+
+
+def _inner_states(optimizers: Sequence[Optional["Optimizer"]], params: Sequence[nn.Parameter]) -> List[Tensor]:
+    """This rank's parts of the optimizers' floating states of ``params`` (AdamW's moments; not its step count)."""
+    return [
+        local_tensor(value)
+        for optimizer in optimizers
+        if optimizer is not None
+        for param in params
+        for key, value in optimizer.state.get(param, {}).items()
+        if key != "step" and isinstance(value, Tensor) and value.is_floating_point()
+    ]
+
+
+def _params_from(flat: Tensor, bucket: List[nn.Parameter]) -> None:
+    _scatter_into(flat, [local_tensor(p) for p in bucket])
+
+
+def _check_same_sizes(parts: List[Tensor], exchange: OuterExchange) -> None:
     """Every replica holds optimizer state for the same params (else their averaging would not line up): raises on
-    every rank of the job where some replica does not (a param it never took an optimizer step for)."""
+    every rank where some replica does not (a param it never took an optimizer step for)."""
     import torch.distributed as dist
 
-    elements = sum(part.numel() for part in parts)
+    elements = float(sum(part.numel() for part in parts))
     device = parts[0].device if parts else torch.device("cpu")
-    bounds = torch.tensor([elements, -elements], dtype=torch.int64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-    differ = torch.tensor([int(bounds[0].item() != -bounds[1].item())], dtype=torch.int64, device=device)
-    dist.all_reduce(differ, op=dist.ReduceOp.MAX)  # every rank, not only this replicate group's, raises
+    moments = torch.tensor([elements, elements * elements], dtype=torch.float64, device=device)
+    exchange.average(moments)  # the sizes are equal exactly when the mean square is the squared mean
+    differ = torch.tensor([int(bool(moments[1] != moments[0] * moments[0]))], dtype=torch.int64, device=device)
+    dist.all_reduce(differ, op=dist.ReduceOp.MAX)  # every rank of this launch, not only this replicate group's
     if differ.item():
         raise RuntimeError(
             "mixed_fsdp2 (replicate_sync): the replicas hold optimizer state for different params, so a checkpoint"
-            " cannot keep one copy of it: a param some replica never took an optimizer step for (this rank's shards:"
-            f" {-bounds[1].item()} to {bounds[0].item()} elements across its replicate group). Save after a step in"
+            " cannot keep one copy of it: a param some replica never took an optimizer step for (this rank's shards"
+            f" hold {int(elements)} elements; the replicas' mean is {moments[0].item():g}). Save after a step in"
             " which every replica's batch reached every trainable param, or use replicate_sync='every_step'."
         )
-
-
-def without_outer_state(optimizer: "Optimizer", state_dict: Dict[str, Any]) -> Dict[str, Any]:
-    """A loaded optimizer state dict without the outer state (a semi-synchronous run's checkpoint loaded by one that
-    syncs every step, or into an optimizer whose params do not sync)."""
-    state = {
-        key: {name: value for name, value in entry.items() if name not in OUTER_STATE_KEYS}
-        for key, entry in state_dict["state"].items()
-    }
-    return {**state_dict, "state": {key: entry for key, entry in state.items() if entry}}
-
-
-def _shaped_like(local: Tensor, param: Tensor) -> Tensor:
-    """This rank's part of an outer state tensor as the param is held (a DTensor sharded like it), on its device."""
-    from torch.distributed.tensor import DTensor
-
-    local = local.to(local_tensor(param).device)
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
 
 
 def _scatter_into(flat: Tensor, parts: List[Tensor]) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mixedfsdp.apply.semi_sync import STEPS_KEY
+from lightning_mixedfsdp.apply.semi_sync_checkpoint import STEPS_KEY
 from lightning_mixedfsdp.checkpoint.atomic import DCP_METADATA, LIGHTNING_METADATA_FILENAME
 from lightning_mixedfsdp.compat.torch import local_chunk
 from lightning_mixedfsdp.model.names import canonical_name

@@ -95,6 +95,15 @@ class MixedFSDPConfig:
                 " is not supported: the ring attention's routing runs outside compiled code; set sharding.compile=False"
                 " (or parallelism.context_parallel_size=1)."
             )
+        parallelism = self.parallelism
+        no_replicas = parallelism.data_parallel_replicate_size == 1 and self.fault_tolerance is None
+        if parallelism.replicate_sync != "every_step" and no_replicas:
+            problems.append(
+                f"parallelism.replicate_sync={parallelism.replicate_sync!r} syncs HSDP replicas (or fault-tolerant"
+                " replica groups) every sync_every steps, and data_parallel_replicate_size=1 without fault_tolerance"
+                " has none; set data_parallel_replicate_size >= 2 (e.g. one replica per node), or"
+                " replicate_sync='every_step'."
+            )
         if self.fault_tolerance is not None and self.buffers.sync == "average":
             problems.append(
                 "buffers.sync='average' averages buffers within one replica group only, so under fault_tolerance the"

@@ -390,12 +390,6 @@ class Parallelism(OptionGroup):
 
     def semantic_problems(self) -> List[str]:
         problems = []
-        if self.replicate_sync != "every_step" and self.data_parallel_replicate_size == 1:
-            problems.append(
-                f"replicate_sync={self.replicate_sync!r} syncs HSDP replicas every sync_every steps, and"
-                " data_parallel_replicate_size=1 has none; set data_parallel_replicate_size >= 2 (e.g. one replica per"
-                " node), or replicate_sync='every_step'."
-            )
         if isinstance(self.outer_momentum, float) and self.outer_momentum >= 1:
             problems.append(f"outer_momentum={self.outer_momentum!r} must be below 1 (DiLoCo's is 0.9).")
         return problems + self._expert_plan_problems()

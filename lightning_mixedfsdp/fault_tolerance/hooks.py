@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
+from lightning_mixedfsdp.apply.semi_sync import OuterExchange
 from lightning_mixedfsdp.config import FaultTolerance
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.session import HealRecord, ReplicaGroupSession, check_fault_tolerance
@@ -39,6 +40,11 @@ class NoFaultTolerance:
     @property
     def cross_replica_reduce(self) -> Optional[CrossReplicaReduce]:
         """What averages every gradient across the replica groups after its reduction within this group."""
+        return None
+
+    @property
+    def outer_exchange(self) -> Optional[OuterExchange]:
+        """Semi-synchronous replica groups' link (``replicate_sync``): their syncs' quorum, averages and vote."""
         return None
 
     def watch(self, module: nn.Module) -> List[RemovableHandle]:
@@ -101,12 +107,18 @@ class NoFaultTolerance:
 
 
 class ReplicaGroups(NoFaultTolerance):
-    """Fault tolerance on: this launch is one replica group of a torchft job (``session.py`` holds its Manager)."""
+    """Fault tolerance on: this launch is one replica group of a torchft job (``session.py`` holds its Manager).
 
-    def __init__(self, settings: FaultTolerance, owner: str) -> None:
+    Synchronous (``replicate_sync="every_step"``): every step is a quorum, every gradient averaged across the groups,
+    and a vote. Semi-synchronous: the groups meet only at their syncs (every ``sync_every`` steps, as torchft's own
+    ``LocalSGD``/``DiLoCo`` do): a quorum (where a restarted group heals, taking a live group's params, optimizer and
+    outer state), the averages, and a vote that applies them all or none; the steps between are each group's own."""
+
+    def __init__(self, settings: FaultTolerance, owner: str, semi_synchronous: bool = False) -> None:
         super().__init__(owner)
         check_fault_tolerance(settings, owner)  # the missing parts fail before any launch
         self.settings = settings
+        self.semi_synchronous = semi_synchronous
         self._session: Optional[ReplicaGroupSession] = None
 
     @property
@@ -134,15 +146,21 @@ class ReplicaGroups(NoFaultTolerance):
 
     @property
     def cross_replica_reduce(self) -> Optional[CrossReplicaReduce]:
-        return self._reduce
+        return None if self.semi_synchronous else self._reduce
 
     def _reduce(self, tensor: Tensor) -> None:
         self.session.reduce(tensor)
 
+    @property
+    def outer_exchange(self) -> Optional[OuterExchange]:
+        return ReplicaGroupExchange(self.session) if self.semi_synchronous else None
+
     def watch(self, module: nn.Module) -> List[RemovableHandle]:
-        return [self.session.watch(module)]
+        return [] if self.semi_synchronous else [self.session.watch(module)]
 
     def commit(self, optimizer: Optimizer) -> bool:
+        if self.semi_synchronous:  # a step between syncs is this group's own
+            return True
         committed = self.session.commit()
         if not committed:
             optimizer.zero_grad(set_to_none=True)
@@ -198,6 +216,28 @@ class ReplicaGroups(NoFaultTolerance):
             self._session = None
 
 
-def fault_tolerance_for(settings: Optional[FaultTolerance], owner: str) -> NoFaultTolerance:
-    """The hooks for these settings: torchft's replica groups, or none."""
-    return NoFaultTolerance(owner) if settings is None else ReplicaGroups(settings, owner)
+class ReplicaGroupExchange:
+    """Semi-synchronous replica groups' sync: the quorum, averages over the participating groups (deferred: a group
+    that dies inside them leaves garbage), then the vote."""
+
+    deferred = True
+
+    def __init__(self, session: ReplicaGroupSession) -> None:
+        self.session = session
+
+    def begin(self) -> None:
+        self.session.begin_step()
+
+    def average(self, flat: Tensor) -> None:
+        self.session.reduce(flat)
+
+    def commit(self) -> bool:
+        return self.session.commit()
+
+
+def fault_tolerance_for(
+    settings: Optional[FaultTolerance], owner: str, semi_synchronous: bool = False
+) -> NoFaultTolerance:
+    """The hooks for these settings: torchft's replica groups (synchronous, or meeting every ``sync_every`` steps),
+    or none."""
+    return NoFaultTolerance(owner) if settings is None else ReplicaGroups(settings, owner, semi_synchronous)

@@ -42,7 +42,8 @@ class IntakeMixin:
         check_extras(self._config, owner)
         if process_group_backend is not None:  # refused now when it has no host part for offload's collectives
             process_group_backend_for("cuda", process_group_backend, self._host_collectives, owner)
-        self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner)
+        semi_synchronous = self._config.parallelism.replicate_sync != "every_step"
+        self._fault_tolerance = fault_tolerance_for(self._config.fault_tolerance, owner, semi_synchronous)
         self._reset_state()
 
     def _reset_state(self) -> None:

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_mixedfsdp.apply.bf16_updates import install_bf16_updates
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
 from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
-from lightning_mixedfsdp.apply.semi_sync import without_outer_state
+from lightning_mixedfsdp.apply.semi_sync_checkpoint import without_outer_state
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, semi_synchronous
@@ -125,8 +125,8 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         super().setup_environment()  # type: ignore[misc]
         destroy_process_group_at_exit()
         self._meshes = dims.build_meshes(self.root_device.type, self._device_mesh if dims.replicate == 1 else None)
-        if parallelism.replicate_sync != "every_step":
-            self._meshes = semi_synchronous(self._meshes)
+        if parallelism.replicate_sync != "every_step" and self._config.fault_tolerance is None:
+            self._meshes = semi_synchronous(self._meshes)  # under fault tolerance the replica groups sync instead
         self._device_mesh = self._meshes.root
         rotate = self._config.parallelism.context_parallel_rotate
         self._context_parallel = ContextParallel(self._meshes.context_parallel, rotate)
@@ -135,7 +135,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
 
     def _heal_sources(self) -> HealSources:
         optimizers = [optimizer for optimizer in (ref() for ref in self._optimizer_order) if optimizer is not None]
-        return HealSources(self._sharded.modules(), optimizers, self._heal_others())
+        return HealSources(self._sharded.modules(), optimizers, [*self._heal_others(), *self._sharded.outer_syncs()])
 
     def _heal_others(self) -> Sequence[Any]:
         """Other stateful objects a heal carries (the Trainer's LR schedulers)."""
@@ -167,6 +167,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
             parallelize,
             reduce,
             self._context_parallel,
+            self._fault_tolerance.outer_exchange,
         )
         if sharded.applied is not None:
             sharded.applied.handles.extend(self._fault_tolerance.watch(sharded.module))

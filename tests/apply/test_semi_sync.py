@@ -68,7 +68,7 @@ def _bf16_below_spacing(rank: int, world_size: int, state_dtype: torch.dtype) ->
     if state_dtype != torch.float32:  # the control: the global copy held in the param's dtype
         outer = applied.outer
         applied.after_step.remove(outer.after_step)
-        applied.outer = OuterSync(outer.params, outer.group, "diloco", 1, 0.1, 0.0, False, None, state_dtype)
+        applied.outer = OuterSync(outer.params, outer.exchange, "diloco", 1, 0.1, 0.0, False, None, state_dtype)
         applied.after_step.append(applied.outer.after_step)
     with torch.no_grad():  # the global copy is taken from it at the first step
         for p in model.parameters():
@@ -404,17 +404,23 @@ def test_lora_with_activation_checkpointing_syncs_the_adapters_alone(two_by_one:
 
 
 def test_untested_compositions_are_refused_with_the_fix() -> None:
-    problems = semi_sync_problems("diloco", fault_tolerant=True, context_parallel=2, expert_parallel=1, offload=None)
+    problems = semi_sync_problems("diloco", context_parallel=2, expert_parallel=2, offload=None)
     assert len(problems) == 2
-    assert "float8='tensorwise' is untested" in semi_sync_problems("local_sgd", False, 1, 1, None, "tensorwise")[0]
-    assert "replicate_sync='diloco' with fault_tolerance (torchft replica groups) is untested" in problems[0]
-    assert "context_parallel_size=2 is untested; use replicate_sync='every_step'" in problems[1]
+    assert "float8='tensorwise' is untested" in semi_sync_problems("local_sgd", 1, 1, None, "tensorwise")[0]
+    assert (
+        "replicate_sync='diloco' with context_parallel_size=2 is untested; use replicate_sync='every_step'"
+        in (problems[0])
+    )
+    assert "expert_parallel_size=2 is untested" in problems[1]
 
 
 def test_a_replicate_sync_without_replicas_is_refused() -> None:
     from lightning_mixedfsdp.config import MixedFSDPConfig, MixedFSDPConfigError
 
-    with pytest.raises(MixedFSDPConfigError, match=r"replicate_sync='local_sgd' syncs HSDP replicas every sync_every"):
+    with pytest.raises(
+        MixedFSDPConfigError,
+        match=r"replicate_sync='local_sgd' syncs HSDP replicas \(or fault-tolerant replica groups\) every",
+    ):
         MixedFSDPConfig.from_input(None, {"replicate_sync": "local_sgd"}, "MixedFSDP2Strategy")
 
 
