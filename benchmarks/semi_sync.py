@@ -13,7 +13,7 @@ each rank all-reduces across the replicate dim per optimizer step (gradients in 
 params / pseudo-gradients every H steps), the held-out perplexity after the steps (every H divides them: the replicas
 are equal then), and the median step time.
 
-    python -m benchmarks.semi_sync                       # 500 steps, 7 set-ups: about an hour on 2 busy cores
+    python -m benchmarks.semi_sync                       # 500 steps, 7 set-ups: 15-25 min each on 2 busy cores
     python -m benchmarks.semi_sync --steps 100 --setups every_step diloco_20
 
 Figures, never asserted: ``tests/test_benchmarks.py`` runs it at tiny sizes for its structure.
