@@ -125,7 +125,6 @@ class OuterSync:
         """Optimizer steps taken; a sync follows each ``sync_every``-th."""
         self.synced_at = 0
         """The step count at the last sync (an early one before a save included)."""
-        self.syncs = 0
         self.global_copy: List[Tensor] = []
         """DiLoCo: each param's local part in fp32, as of the last sync (taken before the first optimizer step: after
         initialisation and any load)."""
@@ -214,7 +213,6 @@ class OuterSync:
         else:
             applied = self._exchanged(buckets, self._pseudo_gradient, self._outer_step)
         if applied:
-            self.syncs += 1
             self.synced_at = self.steps
 
     def _exchanged(
