@@ -58,6 +58,7 @@ EXTRA = {
     "minimax": dict(
         num_local_experts=4, num_experts_per_tok=2, block_size=16, layer_types=["linear_attention", "full_attention"]
     ),
+    "mamba": dict(hidden_size=64, state_size=16, expand=2, time_step_rank=8),
     "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=16),
     "falcon_h1": dict(
         mamba_d_ssm=64,

@@ -15,15 +15,17 @@ DEFAULT_KEEP_FP32_MODULES = ("RMSNorm", "RMSNormGated", "LayerNorm", "RotaryEmbe
 DEFAULT_NORM_RULES = ("RMSNorm", "LayerNorm")
 # Mamba / GatedDeltaNet decay logs: models compute exp(-exp(A_log)) in fp32 but rarely declare them fp32. Their
 # time-step biases (dt_bias, -7..-2 as initialised) sit where bf16 numbers are 0.016-0.03 apart, so AdamW's first
-# updates (about lr per element) round away; Mamba's skip weight D (1.0 at init) loses them the same way. D is matched
-# only inside HF's Mamba mixers (``mixer`` in Mamba/Mamba2/Nemotron-H, ``mamba`` in the hybrids), so an unrelated
-# param named D stays in the bulk dtype. MoE router correction biases (DeepSeek-V3's e_score_correction_bias,
-# torchtitan's expert_bias): an aux-loss-free update of 1e-3 near a bias of 7 is below bf16's spacing there (0.03) and
-# would be lost entirely (docs/dtypes.md)
+# updates (about lr per element) round away; Mamba's skip weight D (1.0 at init) loses them the same way. Mamba-1
+# keeps its time-step bias as the bias of a Linear, ``dt_proj.bias`` (log(expm1(dt)) for dt in 1e-3..0.1: -6.9..-2.3,
+# the same range as dt_bias). D and dt_proj.bias are matched only inside HF's Mamba mixers (``mixer`` in
+# Mamba/Mamba2/Nemotron-H, ``mamba`` in the hybrids), so an unrelated param of that name stays in the bulk dtype.
+# MoE router correction biases (DeepSeek-V3's e_score_correction_bias, torchtitan's expert_bias): an aux-loss-free
+# update of 1e-3 near a bias of 7 is below bf16's spacing there (0.03) and would be lost entirely (docs/dtypes.md)
 DEFAULT_KEEP_FP32_PARAMS = (
     r"(^|\.)A_log$",
     r"(^|\.)dt_bias$",
     r"(^|\.)(mixer|mamba)\.D$",
+    r"(^|\.)(mixer|mamba)\.dt_proj\.bias$",
     r"(^|\.)(e_score_correction_bias|expert_bias)$",
 )
 
@@ -94,9 +96,10 @@ class Dtypes(OptionGroup):
         default_factory=lambda: list(DEFAULT_KEEP_FP32_PARAMS), metadata={PATTERNS: "regex"}
     )
     """Regular expressions searched in qualified param and buffer names; matches stay fp32. The default keeps
-    ``A_log`` and ``dt_bias`` (Mamba, GatedDeltaNet), Mamba's ``D`` (a ``D`` inside a module named ``mixer`` or
-    ``mamba``, as in HF's Mamba models and hybrids) and MoE router correction biases (``e_score_correction_bias``,
-    ``expert_bias``) fp32, whatever dtype the model builds them in; a list of your own replaces it."""
+    ``A_log`` and ``dt_bias`` (Mamba, GatedDeltaNet), Mamba's ``D`` and Mamba-1's ``dt_proj.bias`` (inside a module
+    named ``mixer`` or ``mamba``, as in HF's Mamba models and hybrids) and MoE router correction biases
+    (``e_score_correction_bias``, ``expert_bias``) fp32, whatever dtype the model builds them in; a list of your own
+    replaces it."""
 
     honor_hf_keep_in_fp32: bool = True
     """Keep the params and buffers named by HF ``_keep_in_fp32_modules`` fp32 under every precision flag

@@ -1,7 +1,8 @@
 """One dtype decision per tensor: every buffer rule on real HF models, on 2 ranks, after setup and after a checkpoint
 round trip (Fabric's DCP save and load into a fresh model); the state-space params the default rules keep fp32
-(``A_log``, ``dt_bias``, Mamba's ``D``) on HF Mamba2, Qwen3-Next and Falcon-H1, and a checkpoint saved under the
-rules before ``dt_bias`` and ``D`` joined them loading under the new ones with the manifest's warning."""
+(``A_log``, ``dt_bias``, Mamba's ``D``, Mamba-1's ``dt_proj.bias``) on HF Mamba, Mamba2, Qwen3-Next and Falcon-H1, and
+checkpoints saved under the rules before ``dt_bias`` and ``D``, or ``dt_proj.bias``, joined them loading under the new
+ones with the manifest's warning."""
 
 import warnings
 from pathlib import Path
@@ -23,8 +24,17 @@ ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 # the default keep_fp32_params before dt_bias and Mamba's D joined them: what a checkpoint made then was saved under
 OLD_DEFAULT_PARAMS = [r"(^|\.)A_log$", r"(^|\.)(e_score_correction_bias|expert_bias)$"]
 A_LOG_RULE, DT_BIAS_RULE, D_RULE = r"param:(^|\.)A_log$", r"param:(^|\.)dt_bias$", r"param:(^|\.)(mixer|mamba)\.D$"
+DT_PROJ_RULE = r"param:(^|\.)(mixer|mamba)\.dt_proj\.bias$"
+# the default keep_fp32_params before Mamba-1's dt_proj.bias joined them
+BEFORE_DT_PROJ = [r"(^|\.)A_log$", r"(^|\.)dt_bias$", r"(^|\.)(mixer|mamba)\.D$", OLD_DEFAULT_PARAMS[1]]
 # every state-space param of the tiny models' two layers, with the default rule that keeps it fp32
 SSM_PARAMS = {
+    # Mamba-1: the time-step bias is the bias of the mixer's dt_proj Linear, whose weight stays bf16
+    "mamba": {
+        f"backbone.layers.{i}.mixer.{n}": rule
+        for i in (0, 1)
+        for n, rule in (("A_log", A_LOG_RULE), ("D", D_RULE), ("dt_proj.bias", DT_PROJ_RULE))
+    },
     "mamba2": {
         f"backbone.layers.{i}.mixer.{n}": rule
         for i in (0, 1)
@@ -41,6 +51,7 @@ SSM_PARAMS = {
 }
 # the norms, kept by the default class rules
 SSM_NORMS = {
+    "mamba": {*(f"backbone.layers.{i}.norm.weight" for i in (0, 1)), "backbone.norm_f.weight"},
     "mamba2": {
         *(f"backbone.layers.{i}.{n}.weight" for i in (0, 1) for n in ("norm", "mixer.norm")),
         "backbone.norm_f.weight",
@@ -131,6 +142,10 @@ def _llama(seed: int) -> nn.Module:
     return tiny_model("llama", seed=seed)
 
 
+def _mamba(seed: int) -> nn.Module:
+    return tiny_model("mamba", seed=seed)
+
+
 def _mamba2(seed: int) -> nn.Module:
     return tiny_model("mamba2", seed=seed)
 
@@ -143,7 +158,7 @@ def _falcon_h1(seed: int) -> nn.Module:
     return tiny_model("falcon_h1", seed=seed)
 
 
-SSM_BUILDS = {"mamba2": _mamba2, "qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1}
+SSM_BUILDS = {"mamba": _mamba, "mamba2": _mamba2, "qwen3_next": _qwen3_next, "falcon_h1": _falcon_h1}
 
 
 def _dots1_in_bf16(seed: int) -> nn.Module:
@@ -227,6 +242,9 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     out["mamba2/old_rules"] = _round_trip(
         _mamba2, "bf16-true", root / "mamba2-old", {"keep_fp32_params": OLD_DEFAULT_PARAMS}, load_fields={}
     )
+    out["mamba/old_rules"] = _round_trip(
+        _mamba, "bf16-true", root / "mamba-old", {"keep_fp32_params": BEFORE_DT_PROJ}, load_fields={}
+    )
     return out
 
 
@@ -307,17 +325,20 @@ def test_state_space_params_are_fp32_by_default_and_a_bf16_true_step_moves_them(
             assert (out["saved"][name] != out["initial"][name]).all(), (model_type, name)
 
 
-def test_a_checkpoint_saved_before_dt_bias_and_d_were_kept_loads_under_the_new_defaults_with_the_difference(
-    results: list,
+@pytest.mark.parametrize(
+    ("scenario", "added_rules"), [("mamba2/old_rules", (DT_BIAS_RULE, D_RULE)), ("mamba/old_rules", (DT_PROJ_RULE,))]
+)
+def test_a_checkpoint_saved_before_a_rule_joined_the_defaults_loads_under_them_with_the_difference(
+    results: list, scenario: str, added_rules: tuple
 ) -> None:
-    out = results[0]["mamba2/old_rules"]
-    added = {n: rule for n, rule in SSM_PARAMS["mamba2"].items() if rule != A_LOG_RULE}
+    out = results[0][scenario]
+    added = {n: rule for n, rule in SSM_PARAMS[scenario.split("/")[0]].items() if rule in added_rules}
     (warning,) = out["load_warnings"]
     listed = ", ".join(f"{name} ({added[name]})" for name in sorted(added))
     assert f"(now kept fp32: {listed})" in warning and "no longer kept fp32" not in warning
-    assert results[1]["mamba2/old_rules"]["load_warnings"] == []  # rank 0 warns
+    assert results[1][scenario]["load_warnings"] == []  # rank 0 warns
     for result in results:
-        out = result["mamba2/old_rules"]
+        out = result[scenario]
         for name in added:
             saved, loaded = out["saved"][name], out["loaded"][name]
             # saved in bf16, where AdamW's first update (about 1e-3) rounded away on every element
@@ -329,7 +350,8 @@ def test_a_checkpoint_saved_before_dt_bias_and_d_were_kept_loads_under_the_new_d
 
 
 class _UnrelatedD(nn.Module):
-    """Params named ``D`` (and near it) outside a Mamba mixer, beside the two places HF's Mamba mixers live."""
+    """Params named ``D`` and ``dt_proj.bias`` (and near them) outside a Mamba mixer, beside the two places HF's Mamba
+    mixers live."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -343,11 +365,13 @@ class _UnrelatedD(nn.Module):
         self.layers[1].mamba = nn.Linear(4, 4)
         self.layers[1].mamba.D = nn.Parameter(torch.ones(4))
         self.layers[1].mamba.mixer_D = nn.Parameter(torch.ones(4))
+        self.dt_proj = nn.Linear(4, 4)  # a time-step projection outside a Mamba mixer
+        self.layers[1].mamba.dt_proj = nn.Linear(4, 4)
 
 
-def test_the_default_rules_keep_only_a_mamba_mixers_d_fp32() -> None:
+def test_the_default_rules_keep_only_a_mamba_mixers_d_and_dt_proj_bias_fp32() -> None:
     from lightning_mixedfsdp import MixedFSDPConfig, plan_sharding
 
     plan = plan_sharding(_UnrelatedD(), MixedFSDPConfig(), "bf16-true")
     fp32 = {n for n, p in plan.params.items() if p.key.storage == torch.float32}
-    assert fp32 == {"layers.0.mixer.D", "layers.1.mamba.D"}
+    assert fp32 == {"layers.0.mixer.D", "layers.1.mamba.D", "layers.1.mamba.dt_proj.bias"}
