@@ -6,6 +6,8 @@ the uninterrupted losses bit for bit; the precision monitor's recipe key logs it
 (``sft_local_dir*.yaml``) on a local model with a ChatML tokenizer: chat with LoRA, chat with QLoRA,
 prompt/completion pairs in full, one per row."""
 
+import functools
+import importlib.util
 import json
 import re
 import shutil
@@ -16,13 +18,10 @@ import pytest
 import torch
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
+from tests.concurrent import run_together
 from tests.recipes.sft_tokenizers import save_tokenizer
 from tests.recipes.test_hf_recipes import train
 
-MAIN = [
-    "--config", "conf/stdlib_llama.yaml", "trainer.max_steps=4", "trainer.val_check_interval=4", "model.dim=32",
-    "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64", "data.val_windows=2", "data.max_bytes=100000",
-]  # fmt: skip
 SFT = [
     "--config", "conf/stdlib_llama_sft.yaml", "trainer.max_steps=8", "trainer.val_check_interval=8",
     "trainer.checkpoint_every_n_steps=4", "trainer.log_every_n_steps=1", "data.val_windows=2", "data.seq_len=256",
@@ -30,23 +29,54 @@ SFT = [
 LOSS = r"held-out loss on the trained tokens: ([\d.]+) before -> ([\d.]+) after 8 steps"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
-    root = tmp_path_factory.mktemp("sft")
-    main, whole, resumed = root / "main", root / "whole", root / "resumed"
-    train(*MAIN, f"output.dir={main}")
-    out: Dict[str, Any] = {"whole": whole, "export": main / "export"}
-    out["whole_out"] = train(
-        *SFT, f"model.pretrained={main / 'export'}", f"output.dir={whole}", "monitor.every_n_steps=2"
-    )
+HF_RUNS = [("sft_local_dir_lora", "chat"), ("sft_local_dir_qlora", "chat"), ("sft_local_dir", "pairs")]
+"""The HF recipes, each on the local model with the data it fine-tunes."""
+
+
+def _fine_tune_and_resume(export: Path, root: Path) -> Dict[str, Any]:
+    """The SFT recipe on the main job's export, then the same run resumed from its step-4 checkpoint."""
+    whole, resumed = root / "whole", root / "resumed"
+    out: Dict[str, Any] = {"whole": whole, "export": export}
+    out["whole_out"] = train(*SFT, f"model.pretrained={export}", f"output.dir={whole}", "monitor.every_n_steps=2")
     # the run as it stood at step 4, resumed from there
     shutil.copytree(whole, resumed, ignore=shutil.ignore_patterns("last.ckpt", "step=8.ckpt", "export"))
     shutil.rmtree(resumed / "logs")
-    out["resumed_out"] = train(*SFT, f"model.pretrained={main / 'export'}", f"output.dir={resumed}", "--resume", "last")
+    out["resumed_out"] = train(*SFT, f"model.pretrained={export}", f"output.dir={resumed}", "--resume", "last")
     out["whole_metrics"] = read_metrics(whole / "logs")
     out["whole_losses"] = out["whole_metrics"]["train_loss"]
     out["resumed_losses"] = read_metrics(resumed / "logs")["train_loss"]
     return out
+
+
+def _hf_recipe(recipe: str, data: str, local_model: Dict[str, Path], folder: Path) -> Dict[str, Any]:
+    model = local_model["model"]
+    out = train(
+        "--config", f"conf/{recipe}.yaml", f"model.pretrained={model}", f"data.tokenizer={model}",
+        f"data.files={local_model[data]}", "data.seq_len=128", "data.held_out_every=4", "data.val_windows=2",
+        "trainer.max_steps=3", "trainer.val_check_interval=3", f"output.dir={folder}",
+        *(["data.packing=false"] if data == "pairs" else []),  # one pair per row: the unpacked rows
+    )  # fmt: skip
+    return {"out": out, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def launches(
+    main_job: Dict[str, Any], local_model: Dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Dict[str, Any]:
+    """The SFT recipe on the main job's export and its resume, beside each HF recipe on the local model (QLoRA's
+    only with torchao), launched together."""
+    root = tmp_path_factory.mktemp("sft")
+    jobs: Dict[str, Any] = {"sft": lambda: _fine_tune_and_resume(main_job["export"], root)}
+    for recipe, data in HF_RUNS:
+        if recipe.endswith("qlora") and importlib.util.find_spec("torchao") is None:
+            continue
+        jobs[recipe] = functools.partial(_hf_recipe, recipe, data, local_model, root / recipe)
+    return run_together(jobs)
+
+
+@pytest.fixture(scope="module")
+def runs(launches: Dict[str, Any]) -> Dict[str, Any]:
+    return launches["sft"]
 
 
 def test_fine_tuning_the_main_jobs_export_lowers_the_held_out_loss_and_answers(runs: Dict[str, Any]) -> None:
@@ -98,21 +128,11 @@ def local_model(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
     return {"model": root / "model", "chat": root / "chat.jsonl", "pairs": root / "pairs.jsonl"}
 
 
-@pytest.mark.parametrize(
-    "recipe, data", [("sft_local_dir_lora", "chat"), ("sft_local_dir_qlora", "chat"), ("sft_local_dir", "pairs")]
-)
-def test_the_hf_fine_tuning_recipes_train_on_a_local_model(
-    local_model: Dict[str, Path], recipe: str, data: str, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("recipe, data", HF_RUNS)
+def test_the_hf_fine_tuning_recipes_train_on_a_local_model(launches: Dict[str, Any], recipe: str, data: str) -> None:
     if recipe.endswith("qlora"):
         pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install 'lightning-mixedfsdp[qlora]')")
-    model = local_model["model"]
-    out = train(
-        "--config", f"conf/{recipe}.yaml", f"model.pretrained={model}", f"data.tokenizer={model}",
-        f"data.files={local_model[data]}", "data.seq_len=128", "data.held_out_every=4", "data.val_windows=2",
-        "trainer.max_steps=3", "trainer.val_check_interval=3", f"output.dir={tmp_path}",
-        *(["data.packing=false"] if data == "pairs" else []),  # one pair per row: the unpacked rows
-    )  # fmt: skip
+    out, tmp_path = launches[recipe]["out"], launches[recipe]["folder"]
     fine_tuning = "chat" if data == "chat" else "instruction"
     assert f"data: {fine_tuning}, 18 training and 6 held-out examples" in out
     before, after = map(float, re.search(r"trained tokens: ([\d.]+) before -> ([\d.]+)", out).groups())  # type: ignore[union-attr]
