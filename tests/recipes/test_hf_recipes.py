@@ -1,8 +1,11 @@
 """Recipes that train Hugging Face models, through the runner as a user launches it: every shipped recipe for a few
-steps, fine-tuning a local save_pretrained() directory with jsonl data and a locally built tokenizer, the exports
-loaded back, and one test per input error, each reported before any process starts (resume: ``test_runner.py``)."""
+steps, fine-tuning a local save_pretrained() directory that ships its own modelling code with jsonl data and a
+locally built tokenizer, the exports loaded back, and one test per input error, each reported before any process
+starts (resume: ``test_runner.py``)."""
 
+import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from safetensors.torch import load_file
 
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
+from tests.concurrent import run_together
 from tests.hf_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +27,21 @@ FP32_IN_CHECKPOINT = (
     "model.norm.weight",
     "model.layers.1.input_layernorm.weight",
 )
+MODELLING_CODE = """from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "tiny_custom"
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    config_class = TinyCustomConfig
+"""
+"""A model type transformers does not know, defined by the folder's own code (as a remote-code model on the hub)."""
+AUTO_MAP = {
+    "AutoConfig": "modeling_tiny_custom.TinyCustomConfig",
+    "AutoModelForCausalLM": "modeling_tiny_custom.TinyCustomForCausalLM",
+}
 TINY = ["trainer.val_check_interval=3", "data.val_windows=4", "data.max_bytes=200000", "trainer.log_every_n_steps=1"]
 
 
@@ -60,7 +79,8 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pretrained_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An HF Llama as a user has it: bf16 weights, some tensors deliberately fp32, and its tokenizer."""
+    """A model folder as a user has it: bf16 weights, some tensors deliberately fp32, its tokenizer, and its own
+    modelling code (a Llama under a model type of its own, named by ``auto_map``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(11)
@@ -72,6 +92,10 @@ def pretrained_dir(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
     directory = tmp_path_factory.mktemp("pretrained")
     model.save_pretrained(directory)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="tiny_custom", architectures=["TinyCustomForCausalLM"], auto_map=AUTO_MAP)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "modeling_tiny_custom.py").write_text(MODELLING_CODE)
     return directory
 
 
@@ -84,17 +108,41 @@ def jsonl_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def finetuned(pretrained_dir: Path, jsonl_files: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+SHIPPED = ["hf_qwen3_next_tiny", "hf_gpt_oss_lora", "hf_llama_qlora_tiny"]
+
+
+def _finetune(pretrained_dir: Path, jsonl_files: Path, output: Path) -> Dict[str, Any]:
     """conf/finetune_local_dir.yaml on the local directory, jsonl data and its tokenizer; lr 0, so the export must
     equal what was loaded."""
-    output = tmp_path_factory.mktemp("finetune")
     out = train(
         "--config", "conf/finetune_local_dir.yaml", *TINY, "trainer.max_steps=3", "optimizer.lr=0",
-        f"model.pretrained={pretrained_dir}", f"data.tokenizer={pretrained_dir}", "data.text_field=content",
+        f"model.pretrained={pretrained_dir}", "model.trust_remote_code=true", f"data.tokenizer={pretrained_dir}",
+        "data.text_field=content",
         f"data.files=[{jsonl_files}/*.jsonl]", "data.seq_len=32", "data.batch_size=2", f"output.dir={output}",
     )  # fmt: skip
     return {"out": out, "output": output}
+
+
+@pytest.fixture(scope="module")
+def launches(pretrained_dir: Path, jsonl_files: Path, tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    """The local directory's fine-tuning beside every shipped HF recipe for 3 steps, launched together."""
+    root = tmp_path_factory.mktemp("launches")
+
+    def shipped(recipe: str) -> Dict[str, Any]:
+        folder = root / recipe
+        return {"out": train("--config", f"conf/{recipe}.yaml", *TINY, "trainer.max_steps=3", f"output.dir={folder}")}
+
+    jobs: Dict[str, Any] = {"finetuned": lambda: _finetune(pretrained_dir, jsonl_files, root / "finetune")}
+    jobs.update({recipe: functools.partial(shipped, recipe) for recipe in SHIPPED})
+    out = run_together(jobs)
+    for recipe in SHIPPED:
+        out[recipe]["folder"] = root / recipe
+    return out
+
+
+@pytest.fixture(scope="module")
+def finetuned(launches: Dict[str, Any]) -> Dict[str, Any]:
+    return launches["finetuned"]
 
 
 def test_finetuning_a_local_directory_loads_its_fp32_tensors_exactly(
@@ -123,16 +171,20 @@ def test_jsonl_data_with_a_local_hf_tokenizer_trains_and_the_export_carries_the_
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert len(tokenizer) == 300 and tokenizer.eos_token == "</s>"
     trained = dcp_state(finetuned["output"] / "checkpoints" / "last.ckpt", finetuned["output"])
-    loaded = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).state_dict()
+    # the export carries the folder's modelling code, as the folder did
+    assert (export / "modeling_tiny_custom.py").read_text() == MODELLING_CODE
+    loaded_model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32, trust_remote_code=True)
+    assert type(loaded_model).__name__ == "TinyCustomForCausalLM"
+    loaded = loaded_model.state_dict()
     for name, value in trained.items():
         assert torch.equal(loaded[name], value.float()), name
 
 
-@pytest.mark.parametrize("recipe", ["hf_qwen3_next_tiny", "hf_gpt_oss_lora", "hf_llama_qlora_tiny"])
-def test_shipped_hf_recipe_trains_and_exports_what_it_trained(recipe: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", SHIPPED)
+def test_shipped_hf_recipe_trains_and_exports_what_it_trained(launches: Dict[str, Any], recipe: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    out = train("--config", f"conf/{recipe}.yaml", *TINY, "trainer.max_steps=3", f"output.dir={tmp_path}")
+    out, tmp_path = launches[recipe]["out"], launches[recipe]["folder"]
     assert "held-out perplexity" in out and "mixed_fsdp2 dtype plan" in out
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert exported["model.norm.weight"].dtype == torch.float32
@@ -207,3 +259,47 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(tokenizer_dir: Path) -
 def test_hf_config_and_pretrained_together_are_refused(pretrained_dir: Path) -> None:
     with pytest.raises(RecipeError, match=r"model.hf_config and model.pretrained are both set; keep hf_config"):
         load_recipe(None, [f"model.hf_config={pretrained_dir}", f"model.pretrained={pretrained_dir}"])
+
+
+def test_a_folder_with_its_own_modelling_code_is_refused_before_launch_without_trust_remote_code(
+    pretrained_dir: Path,
+) -> None:
+    with pytest.raises(
+        RecipeError,
+        match=r"model.pretrained='.*' ships Python code that transformers would run to build the model \(config.json's"
+        r" auto_map .*modeling_tiny_custom.TinyCustomForCausalLM.*\); set model.trust_remote_code=true if you trust",
+    ):
+        load_recipe(None, [f"model.pretrained={pretrained_dir}", f"data.tokenizer={pretrained_dir}"])
+
+
+def _broken_copy(folder: Path, name: str, tmp_path: Path) -> Path:
+    """A copy of ``folder`` whose ``name`` lost a closing brace, as a hand edit leaves it."""
+    import shutil
+
+    copy = tmp_path / folder.name
+    shutil.copytree(folder, copy)
+    text = (copy / name).read_text()
+    (copy / name).write_text(text[: text.rindex("}")])
+    return copy
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_model_folder_json_file_that_is_not_json_is_refused_before_launch_in_one_line(
+    pretrained_dir: Path, tmp_path: Path, name: str
+) -> None:
+    broken = _broken_copy(pretrained_dir, name, tmp_path)
+    overrides = [f"model.pretrained={broken}", "model.trust_remote_code=true", f"data.tokenizer={broken}"]
+    with pytest.raises(RecipeError) as raised:
+        load_recipe(None, overrides)
+    (line,) = [line for line in str(raised.value).splitlines() if name in line]
+    assert f"model.pretrained={str(broken)!r}: {broken / name} is not valid JSON: Expecting" in line
+    assert re.search(r"at line \d+, column \d+; fix the file", line), line
+    assert "Traceback" not in str(raised.value)
+
+
+def test_a_tokenizer_folder_json_file_that_is_not_json_is_refused_before_launch(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    broken = _broken_copy(tokenizer_dir, "tokenizer_config.json", tmp_path)
+    with pytest.raises(RecipeError, match=r"data.tokenizer='.*': .*tokenizer_config.json is not valid JSON: Expecting"):
+        load_recipe(None, [f"data.tokenizer={broken}"])

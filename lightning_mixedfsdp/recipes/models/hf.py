@@ -38,17 +38,19 @@ def build_hf_model(
     lora: Optional[Dict[str, Any]] = None,
     freeze: Optional[Sequence[str]] = None,
     lora_key: str = "peft.enabled=true",
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """``AutoModelForCausalLM`` (or ``AutoModelForImageTextToText``) ``.from_config(hf_config)`` on the meta device,
     the params matching ``freeze_patterns(hf_config, freeze)`` frozen; with ``lora`` (``peft.LoraConfig``'s
     arguments) wrapped by ``peft.get_peft_model``, no adapter on a frozen module (``lora_key``: what asked for the
-    adapters, as a missing peft is reported)."""
+    adapters, as a missing peft is reported). ``trust_remote_code``: a config read from a folder's own code builds
+    the model that code defines."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     patterns = freeze_patterns(hf_config, freeze)
     auto = AutoModelForImageTextToText if is_image_text(hf_config) else AutoModelForCausalLM
     with torch.device("meta"):
-        built = auto.from_config(hf_config)
+        built = auto.from_config(hf_config, trust_remote_code=trust_remote_code)
         freeze_matching(built, patterns)
         if lora is not None:
             with optional_import("peft", lora_key):

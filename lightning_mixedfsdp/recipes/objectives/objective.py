@@ -48,7 +48,9 @@ def build_model(model: ModelSection, peft: PeftSection) -> nn.Module:
         built = TinyLlama(reference)
         freeze_matching(built, model.freeze or [])
         return built
-    return build_hf_model(load_hf_config(model.hf_source()), peft.lora_arguments(), model.freeze)
+    trust = model.trust_remote_code
+    config = load_hf_config(model.hf_source(), trust)
+    return build_hf_model(config, peft.lora_arguments(), model.freeze, trust_remote_code=trust)
 
 
 class Schedule(NamedTuple):
@@ -165,7 +167,7 @@ class Objective(pl.LightningModule, ABC):
         section = self.model_section
         patterns = section.freeze or []
         if reference_model_config(section) is None:
-            patterns = freeze_patterns(load_hf_config(section.hf_source()), section.freeze)
+            patterns = freeze_patterns(load_hf_config(section.hf_source(), section.trust_remote_code), section.freeze)
         said = frozen_summary(self.model, patterns)
         if said is not None:
             rank_zero_info(said)

@@ -34,7 +34,9 @@ def model_key(recipe: Recipe) -> Optional[str]:
     if model.hf_source() is None:
         return None
     try:
-        image_text = reference_model_config(model) is None and is_image_text(load_hf_config(model.hf_source()))
+        image_text = reference_model_config(model) is None and is_image_text(
+            load_hf_config(model.hf_source(), model.trust_remote_code)
+        )
     except (FileNotFoundError, ValueError):  # named by the inputs' own checks
         return None
     if not image_text:
@@ -87,7 +89,8 @@ class VisionChatLM(ChatLM):
     @override
     @classmethod
     def data_problems(cls, recipe: Recipe, ranks: int) -> List[str]:
-        config = load_hf_config(recipe.model.hf_source()) if model_key(recipe) is not None else None
+        model = recipe.model
+        config = load_hf_config(model.hf_source(), model.trust_remote_code) if model_key(recipe) is not None else None
         image_token = getattr(config, "image_token_id", getattr(config, "image_token_index", None))
         vocab = model_vocab_size(recipe.model)
         return vision_data_problems(recipe.data, recipe.model.pretrained, ranks, vocab, image_token)

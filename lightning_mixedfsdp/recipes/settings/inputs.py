@@ -18,13 +18,39 @@ SNIFF_BYTES = 65536
 """How much of each file is checked for being text before launch."""
 
 
-def load_hf_config(source: Any) -> Any:
-    """An HF config from a ``config.json``, a directory holding one, or a mapping with ``model_type``."""
+def load_hf_config(source: Any, trust_remote_code: bool = False) -> Any:
+    """An HF config from a ``config.json``, a directory holding one, or a mapping with ``model_type``. A directory
+    whose model type transformers does not know is read by the config class its ``auto_map`` names, which runs the
+    directory's own code: only with ``trust_remote_code`` (``model.trust_remote_code``)."""
     from transformers import AutoConfig
 
     fields = hf_config_fields(source)
+    if not isinstance(source, dict) and _ships_model_code(fields):
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     model_type = fields.pop("model_type")
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _ships_model_code(fields: Dict[str, Any]) -> bool:
+    """Whether a config's fields have transformers run the folder's own code to build the model: an ``auto_map`` for
+    a model type transformers does not know."""
+    from transformers import CONFIG_MAPPING
+
+    return bool(fields.get("auto_map")) and fields.get("model_type") not in CONFIG_MAPPING
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value; a file that is not JSON raises ``ValueError`` in one line: the file, json's message, its
+    line and column."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}; fix the file (or"
+            " write it again with save_pretrained)"
+        ) from None
 
 
 def hf_config_fields(source: Any) -> dict:
@@ -39,7 +65,9 @@ def hf_config_fields(source: Any) -> dict:
             raise FileNotFoundError(
                 f"{str(source)!r} is neither a config.json nor a directory holding one; check the path."
             )
-        fields = json.loads(path.read_text())
+        fields = read_json(path)
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path} holds a JSON {type(fields).__name__}, not an object of config fields")
         where = str(path)
     if "model_type" not in fields:
         raise ValueError(
@@ -69,21 +97,38 @@ def project_export(directory: Union[str, Path]) -> bool:
     )
 
 
-def custom_code(directory: Union[str, Path]) -> List[str]:
-    """The files of a tokenizer directory whose ``auto_map`` has transformers run the directory's own Python code to
-    load it: ``tokenizer_config.json`` naming a tokenizer class, ``config.json`` naming a config of a model type
-    transformers does not know (this project's export excepted). Empty: it loads with transformers' own code."""
-    from transformers import CONFIG_MAPPING
-
+def custom_code(directory: Union[str, Path], tokenizer: bool = True) -> List[str]:
+    """The files of a model or tokenizer directory whose ``auto_map`` has transformers run the directory's own Python
+    code to load it: ``config.json`` naming a config of a model type transformers does not know (this project's
+    export excepted) and, with ``tokenizer``, ``tokenizer_config.json`` naming a tokenizer class. Empty: it loads with
+    transformers' own code."""
     path = Path(directory)
     found = []
     config = _json_object(path / "config.json")
-    if config.get("auto_map") and config.get("model_type") not in CONFIG_MAPPING and not project_export(path):
+    if _ships_model_code(config) and not project_export(path):
         found.append(f"config.json's auto_map {config['auto_map']}")
-    tokenizer = _json_object(path / "tokenizer_config.json")
-    if tokenizer.get("auto_map"):
-        found.append(f"tokenizer_config.json's auto_map {tokenizer['auto_map']}")
+    tokenizer_config = _json_object(path / "tokenizer_config.json") if tokenizer else {}
+    if tokenizer_config.get("auto_map"):
+        found.append(f"tokenizer_config.json's auto_map {tokenizer_config['auto_map']}")
     return found
+
+
+JSON_FILES = ("config.json", "tokenizer_config.json")
+"""The JSON files transformers reads from a model or tokenizer folder first."""
+
+
+def json_problems(key: str, directory: Union[str, Path]) -> List[str]:
+    """Each of a folder's :data:`JSON_FILES` that is not JSON, in one line naming the key, the file, json's message
+    and where."""
+    problems = []
+    for name in JSON_FILES:
+        path = Path(directory) / name
+        if path.is_file():
+            try:
+                read_json(path)
+            except ValueError as error:
+                problems.append(f"{key}={str(directory)!r}: {error}")
+    return problems
 
 
 def _json_object(path: Path) -> Dict[str, Any]:
@@ -328,6 +373,18 @@ def pretrained_problems(key: str, folder: str) -> List[str]:
     ]
 
 
+def remote_code_problems(key: str, directory: str, trust_remote_code: bool) -> List[str]:
+    """A model folder whose config has transformers run the folder's own code, without ``model.trust_remote_code``."""
+    shipped = custom_code(directory, tokenizer=False)
+    if not shipped or trust_remote_code:
+        return []
+    return [
+        f"{key}={directory!r} ships Python code that transformers would run to build the model ({shipped[0]}); set"
+        " model.trust_remote_code=true if you trust that code, or point it at a model transformers builds with its"
+        " own code"
+    ]
+
+
 def input_problems(recipe: Recipe) -> List[str]:
     """Every problem with what the recipe points at, each with its fix."""
     model, data = recipe.model, recipe.data
@@ -339,6 +396,11 @@ def input_problems(recipe: Recipe) -> List[str]:
         )
     if model.pretrained is not None:
         problems += pretrained_problems("model.pretrained", model.pretrained)
+        problems += json_problems("model.pretrained", model.pretrained)
+        if not problems:
+            problems += remote_code_problems("model.pretrained", model.pretrained, model.trust_remote_code)
+    elif isinstance(model.hf_config, str) and Path(model.hf_config).is_dir():
+        problems += remote_code_problems("model.hf_config", model.hf_config, model.trust_remote_code)
     vocab = None
     if not any("model." in p for p in problems):
         try:
@@ -351,26 +413,48 @@ def input_problems(recipe: Recipe) -> List[str]:
     problems += file_problems
     if not file_problems and resolved_format(data) == "text":
         problems += jsonl_problems(files, data.text_field)
-    if data.tokenizer != "bytes" and not Path(data.tokenizer).is_dir():
-        problems.append(
+    problems += tokenizer_problems(data, vocab, model)
+    return problems
+
+
+def tokenizer_problems(data: DataSection, vocab: Optional[int], model: ModelSection) -> List[str]:
+    """What is wrong with ``data.tokenizer``: not a folder, JSON files that are not JSON (the model folder's are
+    checked with it), code of its own without ``data.trust_remote_code`` (the model's code in the model's own folder
+    is trusted by ``model.trust_remote_code``), more tokens than the model's embedding (``vocab``)."""
+    if data.tokenizer == "bytes":
+        # image-text rows without data.tokenizer take the processor of the model's folder (or the generated task's)
+        return [] if resolved_format(data) == "vision" else _vocab_problems(data, vocab)
+    if not Path(data.tokenizer).is_dir():
+        return [
             f"data.tokenizer={data.tokenizer!r} is neither 'bytes' nor a directory; point it at a local HF tokenizer"
             " (tokenizer.save_pretrained(dir))"
-        )
-    elif data.tokenizer != "bytes" and not data.trust_remote_code and custom_code(data.tokenizer):
-        problems.append(
+        ]
+    unreadable = json_problems("data.tokenizer", data.tokenizer)
+    model_folder = data.tokenizer == model.pretrained
+    if unreadable:
+        return [] if model_folder else unreadable  # said once, as model.pretrained's
+    shipped = custom_code(data.tokenizer)
+    if model_folder and model.trust_remote_code:
+        shipped = [found for found in shipped if not found.startswith("config.json")]
+    if shipped and not data.trust_remote_code:
+        return [
             f"data.tokenizer={data.tokenizer!r} ships Python code that transformers would run to load it"
-            f" ({'; '.join(custom_code(data.tokenizer))}); set data.trust_remote_code=true if you trust that code, or"
-            " point data.tokenizer at a tokenizer transformers loads with its own code"
-        )
-    elif vocab is not None and not (data.tokenizer == "bytes" and resolved_format(data) == "vision"):
-        # image-text rows without data.tokenizer take the processor of the model's folder (or the generated task's)
-        tokens = tokenizer_vocab_size(data.tokenizer, data.trust_remote_code)
-        if tokens > vocab:
-            problems.append(
-                f"data.tokenizer={data.tokenizer!r} has {tokens} tokens, more than the model's embedding ({vocab});"
-                " use a model with vocab_size >= the tokenizer's, or another tokenizer"
-            )
-    return problems
+            f" ({'; '.join(shipped)}); set data.trust_remote_code=true if you trust that code, or point"
+            " data.tokenizer at a tokenizer transformers loads with its own code"
+        ]
+    return _vocab_problems(data, vocab)
+
+
+def _vocab_problems(data: DataSection, vocab: Optional[int]) -> List[str]:
+    if vocab is None:
+        return []
+    tokens = tokenizer_vocab_size(data.tokenizer, data.trust_remote_code)
+    if tokens <= vocab:
+        return []
+    return [
+        f"data.tokenizer={data.tokenizer!r} has {tokens} tokens, more than the model's embedding ({vocab}); use a"
+        " model with vocab_size >= the tokenizer's, or another tokenizer"
+    ]
 
 
 def _text_format(data: DataSection) -> bool:

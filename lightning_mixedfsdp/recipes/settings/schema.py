@@ -80,6 +80,10 @@ class ModelSection(TinyLlamaConfig):
     Rank 0 streams the weights into the shards; the tensors a mixed-dtype checkpoint holds in fp32 stay exact. An
     image-text model (any ``AutoModelForImageTextToText`` architecture: Llava, Qwen2-VL, Gemma 3, ...) is built and
     loaded the same way, with its processor."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python code a ``model.pretrained`` (or ``model.hf_config``) folder ships (an
+    ``auto_map`` in its ``config.json`` for a model type transformers does not know) to build the model; without it
+    such a folder is refused before launch. This project's own exports load without it."""
     freeze: Optional[List[str]] = None
     """Regular expressions searched in parameter names: the matching params are frozen before the plan (no grad, no
     optimizer state, held at the compute dtype), e.g. ``[embed_tokens, "layers\\.[0-3]\\."]``. None: an image-text
