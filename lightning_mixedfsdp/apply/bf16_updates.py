@@ -25,13 +25,13 @@ states are put back in fp32 after it. Each param group records the method (``bf1
 which one ran."""
 
 import math
-import types
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from lightning_mixedfsdp.apply.step_takeover import take_over_step
 from lightning_mixedfsdp.compat.torchao import is_nf4
 from lightning_mixedfsdp.model.rounding import compensated_write, generator_for, round_stochastically
 from lightning_mixedfsdp.model.tensors import local_tensor
@@ -97,7 +97,7 @@ class Bf16Writer:
         self._held: List[List[Tensor]] = []
         self._loading: Dict[Tuple[int, str], Tensor] = {}
         self._own_step = type(optimizer).step  # torch's, wrapped by its step hooks
-        _replace_step(optimizer, self)
+        take_over_step(optimizer, self._step)
         optimizer.register_step_post_hook(self._after_step)  # the first post hook: others see the written params
         optimizer.register_load_state_dict_pre_hook(self._before_load)
         optimizer.register_load_state_dict_post_hook(self._after_load)
@@ -238,27 +238,6 @@ class Bf16Writer:
                         optimizer.state[param][key] = saved.to(device=param.device, dtype=torch.float32)
                 position += 1
         self._loading = {}
-
-
-def _replace_step(optimizer: Optimizer, writer: Bf16Writer) -> None:
-    """``optimizer.step`` (this instance's alone) becomes ``writer``'s, in the form torch's LR schedulers expect: a
-    method whose function they can bind to the optimizer again (a scheduler built later wraps it), or, where a
-    scheduler built earlier wrapped the step already, a wrapper that tells it the step ran (as its own did)."""
-    optimizer._bf16_writer = writer  # type: ignore[attr-defined]
-    if not getattr(optimizer.step, "_wrapped_by_lr_sched", False):
-        optimizer.step = types.MethodType(_writer_step, optimizer)  # type: ignore[method-assign]
-        return
-
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler's own wrapper records
-        return writer._step(*args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
-
-
-def _writer_step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-    return optimizer._bf16_writer._step(closure)  # type: ignore[attr-defined]
 
 
 def bf16_update_methods(optimizer: Optimizer) -> Dict[int, str]:
