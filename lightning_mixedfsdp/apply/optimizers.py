@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_mixedfsdp.model.names import canonical_name
 
 WHOLE_MATRIX_OPTIMIZERS: Dict[str, str] = {
-    "Muon": "orthogonalises each 2-D update over the whole matrix (Newton-Schulz)",
+    "Muon": "orthogonalises each 2-D update over the whole matrix (Newton-Schulz)",  # torch's: apply/muon.py
     "Adafactor": "factors each matrix's second moment over its whole rows and columns",
     "Shampoo": "preconditions each matrix with statistics of the whole matrix",
     "DistributedShampoo": "preconditions each matrix with statistics of the whole matrix",
@@ -24,7 +24,8 @@ WHOLE_MATRIX_OPTIMIZERS: Dict[str, str] = {
 }
 """Optimizers (by class name, their subclasses too) whose update of a param depends on the whole param, not on each
 element alone. Elementwise ones (SGD, Adam, AdamW, Adagrad, RMSprop, 8-bit Adams, a user's own) run on shards
-unchanged."""
+unchanged; ``torch.optim.Muon`` is taken over by :func:`~lightning_mixedfsdp.apply.muon.install_sharded_muon` before
+this refusal is asked (another class named Muon is still refused)."""
 
 
 def params_by_identity(module: nn.Module) -> Dict[int, str]:

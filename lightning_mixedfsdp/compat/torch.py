@@ -436,3 +436,25 @@ def can_reduce_unused_params() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return hasattr(FSDPModule, "set_reduce_scatter_unused_params")
+
+
+# ---- optimizers -----------------------------------------------------------------------------------------------------
+
+
+def muon_orthogonalise(
+    update: Tensor, ns_coefficients: Tuple[float, float, float], ns_steps: int, eps: float
+) -> Tensor:
+    """``torch.optim.Muon``'s orthogonalisation of one whole 2-D update: bf16 Newton-Schulz, the tall case transposed
+    (``torch.optim._muon._zeropower_via_newtonschulz``, private; the same on torch 2.11 to 2.15)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int]) -> float:
+    """The lr ``torch.optim.Muon`` applies to a matrix of ``shape`` (``torch.optim._muon._adjust_lr``, private; the
+    same on torch 2.11 to 2.15): ``original`` scales by sqrt(max(1, rows / cols)), ``match_rms_adamw`` by 0.2 x
+    sqrt(max(rows, cols))."""
+    from torch.optim._muon import _adjust_lr
+
+    return float(_adjust_lr(lr, adjust_lr_fn, torch.Size(shape)))

@@ -19,6 +19,7 @@ COUNTED_COLLECTIVES = (
     "broadcast",
     "all_gather",
     "reduce_scatter",
+    "all_to_all_single",  # Muon's exchange (apply/muon_exchange.py)
 )
 
 

@@ -23,7 +23,8 @@ def find_wrap_units(index: ModuleIndex, wrap_units: Optional[Sequence[str]]) -> 
     else:
         no_split = {c for _, m in index.named_modules() for c in (getattr(m, "_no_split_modules", None) or [])}
         if no_split:
-            chosen = [n for n, m in index.named_modules() if n and type(m).__name__ in no_split]
+            # by the class or a base: FSDP2's FSDPLlamaDecoderLayer is a LlamaDecoderLayer (a set-up model, planned)
+            chosen = [n for n, m in index.named_modules() if n and any(c.__name__ in no_split for c in type(m).__mro__)]
         else:
             chosen = _outermost_module_list_children(index)
     order = {name: position for position, (name, _) in enumerate(index.named_modules())}

@@ -14,11 +14,13 @@ from torch.optim import Optimizer
 
 from lightning_mixedfsdp.apply.bf16_updates import install_bf16_updates
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
+from lightning_mixedfsdp.apply.muon import install_sharded_muon
 from lightning_mixedfsdp.apply.optimizers import refuse_whole_matrix_optimizer
 from lightning_mixedfsdp.apply.semi_sync_checkpoint import without_outer_state
 from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, semi_synchronous
+from lightning_mixedfsdp.model.names import canonical_name
 from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
@@ -188,13 +190,18 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         """After each step of ``optimizer`` (hooked once per optimizer, however often it is set up): the bf16
         params' updates written back by ``dtypes.bf16_updates``, the models' buffers averaged (``buffers.sync=
         "average"``), the float8 all-gather's scales computed (``float8``); its checkpoints carry the outer state of
-        semi-synchronous replicas (``replicate_sync``). An optimizer that would compute each update from a shard of a
+        semi-synchronous replicas (``replicate_sync``). Muon (``torch.optim.Muon``, ``MuonWithAdamW``) computes each
+        matrix's update whole (``apply/muon.py``); another optimizer that would compute each update from a shard of a
         matrix it needs whole is refused first."""
-        refuse_whole_matrix_optimizer(optimizer, type(self).__name__)
+        owner = type(self).__name__
+        names = {id(p): canonical_name(n) for m in self._sharded.modules() for n, p in m.named_parameters()}
+        if not install_sharded_muon(optimizer, names, self._config.dtypes.bf16_updates, owner):
+            refuse_whole_matrix_optimizer(optimizer, owner)
         if optimizer not in self._watched:
             # the bf16 params' write-back first: the hooks after it see the step's params
             method = self._config.dtypes.bf16_updates
-            install_bf16_updates(optimizer, method, _run_seed, type(self).__name__)
+            if not install_sharded_muon(optimizer, names, "nearest", owner):  # Muon's own step writes its params
+                install_bf16_updates(optimizer, method, _run_seed, owner)
             optimizer.register_step_pre_hook(self._before_optimizer_step)
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._sharded.attach_optimizer(optimizer)

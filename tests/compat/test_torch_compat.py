@@ -1,6 +1,7 @@
 """Every function of ``_torch_compat.py`` on the installed torch: the compat subset CI runs on the oldest and the newest
 torch of the range (the distributed ones on one real FSDP2 module, with its real state)."""
 
+import math
 from typing import Any, Dict, List
 
 import pytest
@@ -112,3 +113,26 @@ def test_fsdp_state_accessors_and_the_reset_after_a_failed_backward() -> None:
         assert len(result["grads"]) == 4
         for got, expected in zip(result["grads"], result["reference_grads"], strict=True):
             assert torch.equal(got, expected)
+
+
+def test_muons_orthogonalisation_and_lr_adjustment_are_torchs() -> None:
+    from lightning_mixedfsdp.compat.torch import muon_adjusted_lr, muon_orthogonalise
+
+    torch.manual_seed(0)
+    update = torch.randn(67, 32)
+    orthogonal = muon_orthogonalise(update, (3.4445, -4.775, 2.0315), 5, 1e-7)
+    assert orthogonal.shape == (67, 32) and orthogonal.dtype == torch.bfloat16
+    singular = torch.linalg.svdvals(orthogonal.float())
+    assert 0.5 < singular.min() and singular.max() < 1.5  # about orthogonal: US'V^T with S' in (0.5, 1.5)
+    assert muon_adjusted_lr(0.02, None, (67, 32)) == 0.02 * math.sqrt(67 / 32)
+    assert muon_adjusted_lr(0.02, "original", (32, 67)) == 0.02
+    assert muon_adjusted_lr(0.02, "match_rms_adamw", (67, 32)) == 0.02 * 0.2 * math.sqrt(67)
+    # a plain torch.optim.Muon step on one matrix is exactly these pieces
+    param = torch.nn.Parameter(torch.randn(67, 32))
+    buffer = torch.zeros_like(update).lerp_(update, 1 - 0.95)
+    expected = param.detach().clone().mul_(1 - 0.02 * 0.1)
+    adjusted = muon_adjusted_lr(0.02, None, (67, 32))
+    expected.add_(muon_orthogonalise(update.lerp(buffer, 0.95), (3.4445, -4.775, 2.0315), 5, 1e-7), alpha=-adjusted)
+    param.grad = update.clone()
+    torch.optim.Muon([param], lr=0.02, weight_decay=0.1, momentum=0.95).step()
+    assert torch.equal(param.detach(), expected)
