@@ -11,6 +11,50 @@ from typing import Any, Callable, List, Sequence
 
 import pytest
 
+SLOW_MODULES = frozenset(
+    {
+        "tests/test_benchmarks.py",
+        "tests/test_examples.py",
+        "tests/recipes/test_runner.py",
+        "tests/recipes/test_sft_runner.py",
+        "tests/recipes/test_hf_recipes.py",
+        "tests/recipes/test_vision_recipes.py",
+        "tests/recipes/test_distillation.py",
+        "tests/recipes/test_preference.py",
+        "tests/recipes/test_objectives.py",
+        "tests/recipes/test_sft_data.py",
+        "tests/recipes/test_recipes.py",
+        "tests/recipes/test_dry_run.py",
+        "tests/fault_tolerance/test_runner_groups.py",
+        "tests/fault_tolerance/test_kill_and_heal.py",
+        "tests/fault_tolerance/test_compose.py",
+        "tests/fault_tolerance/test_semi_sync_groups.py",
+        "tests/fault_tolerance/test_trainer_steps.py",
+        "tests/composed/test_compose.py",
+        "tests/composed/test_qlora.py",
+        "tests/apply/test_bf16_updates.py",
+        "tests/apply/test_expert_parallel.py",
+        "tests/apply/test_context_parallel.py",
+        "tests/apply/test_compile_and_memory.py",
+        "tests/apply/test_float8.py",
+        "tests/checkpoint/test_checkpoint.py",
+        "tests/checkpoint/test_faults.py",
+        "tests/strategies/test_fabric.py",
+        "tests/diagnostics/test_precision_monitor.py",
+        "tests/planning/test_dtype_rules.py",
+        "tests/lightning_contract/tests_fabric/strategies/test_model_parallel_integration.py",
+    }
+)
+"""The modules of 12 s or more in a full run on 2 cores (``--durations`` prints them): ``pytest -m "not slow"`` leaves
+them out for work in progress (about 3 minutes); README's test command runs everything."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    for item in items:
+        if Path(str(item.path)).relative_to(root).as_posix() in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 from lightning_mixedfsdp.testing import run_distributed
 
 
