@@ -11,6 +11,8 @@ from typing import Any, Callable, List, Sequence
 
 import pytest
 
+from lightning_mixedfsdp.testing import run_distributed
+
 SLOW_MODULES = frozenset(
     {
         "tests/test_benchmarks.py",
@@ -54,8 +56,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     for item in items:
         if Path(str(item.path)).relative_to(root).as_posix() in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-
-from lightning_mixedfsdp.testing import run_distributed
 
 
 @dataclass(frozen=True)
