@@ -1,5 +1,5 @@
 """Each example runs as written (tiny sizes), launching its own processes like a user would; the four are launched
-together (``tests/concurrent.py``), each test reads its own."""
+together (``tests/launch_together.py``), each test reads its own."""
 
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from tests.concurrent import run_together
+from tests.launch_together import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
-from tests.concurrent import run_together
 from tests.hf_models import tiny_config
+from tests.launch_together import run_together
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = (Path(json.__file__).read_text(encoding="utf-8") * 3).split("\n\n")

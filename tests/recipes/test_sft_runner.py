@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
-from tests.concurrent import run_together
+from tests.launch_together import run_together
 from tests.recipes.sft_tokenizers import save_tokenizer
 from tests.recipes.test_hf_recipes import train
 
