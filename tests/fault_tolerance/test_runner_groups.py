@@ -17,13 +17,13 @@ from safetensors.torch import load_file
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
 from lightning_mixedfsdp.testing.replica_groups import start_lighthouse
-from tests.recipes.test_runner import RECIPE, ROOT
+from tests.recipes.main_job import RECIPE, ROOT
 
 pytest.importorskip("torchft")
 
-STEPS, ALONE = 70, 10
+STEPS, ALONE = 30, 10
 OVERRIDES = [
-    "trainer.val_check_interval=70", "trainer.checkpoint_every_n_steps=5", "trainer.keep_checkpoints=20",
+    "trainer.val_check_interval=30", "trainer.checkpoint_every_n_steps=5", "trainer.keep_checkpoints=20",
     "trainer.log_every_n_steps=1", "model.dim=32", "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64",
     "data.val_windows=16", "data.max_bytes=300000", "optimizer.lr=0.01", "strategy.print_report=false",
     "strategy.fault_tolerance.num_replica_groups=2",
