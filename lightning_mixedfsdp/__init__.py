@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_, total_grad_norm
+from lightning_mixedfsdp.apply.muon import MuonWithAdamW, muon_with_adamw
 from lightning_mixedfsdp.checkpoint import load_full_weights, load_weights
 from lightning_mixedfsdp.config import FaultTolerance, MixedFSDPConfig, MixedFSDPConfigError
 from lightning_mixedfsdp.planning.matching import find_keep_fp32_params
@@ -64,6 +65,7 @@ __all__ = [
     "MixedFSDPConfig",
     "MixedFSDPConfigError",
     "MixedFSDPPrecision",
+    "MuonWithAdamW",
     "PrecisionMonitor",
     "ShardGroup",
     "ShardPlan",
@@ -72,6 +74,7 @@ __all__ = [
     "format_plan",
     "load_full_weights",
     "load_weights",
+    "muon_with_adamw",
     "plan_sharding",
     "total_grad_norm",
 ]

@@ -16,6 +16,7 @@ Two ways in:
 
 What Muon cannot take is refused, naming the param and the fix (:func:`muon_problems`)."""
 
+import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,7 +46,14 @@ FOREIGN_OPTIONS = ("amsgrad", "betas", "maximize", "dampening", "foreach", "fuse
 """Options of other optimizers that Muon does not have: a Muon group that sets one is refused (torch ignores it)."""
 
 
-def muon_update(optimizer: Optimizer, groups: Iterable[Dict[str, Any]]) -> None:
+Orthogonalise = Callable[[Sequence[MatrixUpdate]], List[Tensor]]
+"""Each update's local rows of its whole matrix's orthogonalisation (:func:`orthogonalise`; ``benchmarks/muon.py``
+passes the naive one, every rank gathering every matrix)."""
+
+
+def muon_update(
+    optimizer: Optimizer, groups: Iterable[Dict[str, Any]], orthogonalise: Orthogonalise = orthogonalise
+) -> None:
     """One Muon step of ``groups``' params that have grads, their state in ``optimizer.state``; every matrix of every
     group orthogonalised in one exchange per (shard group, dtype)."""
     held: List[Tuple[Tensor, Dict[str, Any]]] = []
@@ -178,7 +186,8 @@ class MuonWithAdamW(Optimizer):
     clipping, LR schedulers (each group's ``lr``) and checkpoints work as with any optimizer: a Muon param's state is
     its ``momentum_buffer``, an AdamW param's ``step``, ``exp_avg`` and ``exp_avg_sq``."""
 
-    def __init__(self, param_groups: List[Dict[str, Any]]) -> None:
+    def __init__(self, param_groups: List[Dict[str, Any]], orthogonalise: Orthogonalise = orthogonalise) -> None:
+        self.orthogonalise = orthogonalise
         groups = [{**({**MUON_DEFAULTS} if g.get(MUON_KEY) else {}), **g} for g in param_groups]
         for group in groups:
             group.setdefault(MUON_KEY, False)
@@ -197,7 +206,7 @@ class MuonWithAdamW(Optimizer):
         for group in self.param_groups:
             if not group[MUON_KEY]:
                 self._adamw(group)
-        muon_update(self, [group for group in self.param_groups if group[MUON_KEY]])
+        muon_update(self, [group for group in self.param_groups if group[MUON_KEY]], self.orthogonalise)
         return loss
 
     def _adamw(self, group: Dict[str, Any]) -> None:
@@ -285,6 +294,19 @@ def split_for_muon(model: nn.Module) -> Tuple[List[Tuple[str, Tensor]], List[Tup
         takes = param.ndim == 2 and in_block and not pinned and id(param) not in embeddings
         (muon if takes else rest).append((name, param))
     return muon, rest
+
+
+def split_lines(muon: Sequence[Tuple[str, Tensor]], rest: Sequence[Tuple[str, Tensor]]) -> List[str]:
+    """The dry run's words for a split: each optimizer's params (the blocks' indices folded into ``*``), counts and
+    state per element."""
+    lines = [
+        f"optimizer: Muon for {len(muon)} matrices ({_millions([p for _, p in muon])} params, 1 state each: the"
+        f" momentum buffer); AdamW for {len(rest)} tensors ({_millions([p for _, p in rest])} params, 2 states each)"
+    ]
+    for label, named in (("Muon", muon), ("AdamW", rest)):
+        folded = sorted({re.sub(r"\.\d+\.", ".*.", name) for name, _ in named})
+        lines.append(f"  {label}: {', '.join(folded)}")
+    return lines
 
 
 def split_summary(optimizer: MuonWithAdamW) -> str:

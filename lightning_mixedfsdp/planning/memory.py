@@ -13,7 +13,7 @@ depend on batch and sequence and are not included.
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional
+from typing import AbstractSet, Any, Dict, Optional
 
 import torch
 
@@ -40,6 +40,8 @@ class MemoryEstimate:
     """Of the total: the bytes offloaded to host memory (``offload="cpu"``)."""
     gathered: int = 0
     """The all-gather working set on the device, beyond the training state."""
+    states: str = "AdamW states"
+    """What the optimizer bytes are (``Muon + AdamW`` when Muon takes some params)."""
 
     @property
     def total(self) -> int:
@@ -54,12 +56,15 @@ class MemoryEstimate:
         return self.device <= gpu_bytes
 
     def rows(self) -> Dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "AdamW states": self.optimizer, "total": self.total}
+        return {"params": self.params, "grads": self.grads, self.states: self.optimizer, "total": self.total}
 
 
-def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int) -> MemoryEstimate:
+def estimate_memory(
+    plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int, muon: AbstractSet[str] = frozenset()
+) -> MemoryEstimate:
     """Per-rank bytes of ``plan`` with params sharded over ``shard_ranks`` (replicated over the rest of the
-    ``data_parallel_ranks``, HSDP)."""
+    ``data_parallel_ranks``, HSDP); the params named in ``muon`` hold Muon's one state (its momentum buffer, in the
+    param's dtype), the others AdamW's two."""
     params = grads = optimizer = replicated = host = 0
     offloaded_frozen = (
         {name for group in plan.sharded_groups if not plan.trains(group) for name in group.params}
@@ -73,13 +78,17 @@ def estimate_memory(plan: ShardPlan, shard_ranks: int, data_parallel_ranks: int)
         if param.requires_grad:
             grads += local
             bf16 = param.key.storage == torch.bfloat16 and not param.quantized
-            optimizer += local // 2 * ADAMW_BF16_STATE_BYTES[plan.bf16_updates] if bf16 else 2 * local
+            if param.name in muon:
+                optimizer += local
+            else:
+                optimizer += local // 2 * ADAMW_BF16_STATE_BYTES[plan.bf16_updates] if bf16 else 2 * local
         if param.replicated:
             share = param.nbytes / data_parallel_ranks
             replicated += int((param.nbytes - share) * (4 if param.requires_grad else 1))
         elif plan.offload is not None or param.name in offloaded_frozen:
             host += state
-    return MemoryEstimate(params, grads, optimizer, replicated, host=host, gathered=_gathered_bytes(plan))
+    states = "Muon + AdamW" if muon else "AdamW states"
+    return MemoryEstimate(params, grads, optimizer, replicated, host, _gathered_bytes(plan), states)
 
 
 def _gathered_bytes(plan: ShardPlan) -> int:

@@ -1,8 +1,8 @@
 """The main job at tiny sizes through the runner as a user runs it (``python -m lightning_mixedfsdp.train`` in a
 subprocess, 2 CPU processes): one uninterrupted run, one stopped by SIGTERM to its process group under ``timeout``
-and one under torchrun, their resumes, and the finished run extended. ``tests/recipes/conftest.py`` runs them once
-for the session (``main_job``): ``test_runner.py`` checks what they left behind, ``test_sft_runner.py`` fine-tunes
-their export."""
+and one under torchrun, their resumes, and the finished run extended; and the main job with Muon.
+``tests/recipes/conftest.py`` runs them once for the session (``main_job``): ``test_runner.py`` and
+``test_muon_recipe.py`` check what they left behind, ``test_sft_runner.py`` fine-tunes their export."""
 
 import contextlib
 import os
@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 import torch
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
-from tests.concurrent import run_together
+from tests.launch_together import run_together
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EXTENDED, EVERY, KEEP = 40, 52, 4, 2
@@ -32,6 +32,8 @@ OVERRIDES = [
 """17 held-out windows on 2 ranks of batch 8: split 9/8, rank 0 would run a second FSDP forward rank 1 never joins
 (a hang); each rank evaluates 8."""
 TINY = ["--config", RECIPE, *OVERRIDES]
+MUON = ["optimizer.name=muon", "trainer.max_steps=20", "trainer.checkpoint_every_n_steps=0"]
+"""The main job with Muon for the blocks' matrices beside AdamW (``test_muon_recipe.py``)."""
 PROBE = Path(re.__file__).read_bytes()[:64]
 
 
@@ -118,6 +120,7 @@ def main_job_runs(root: Path) -> Dict[str, Any]:
             "whole_out": lambda: train(*TINY, f"output.dir={whole}"),
             "interrupted": lambda: train_until_sigterm(stopped, UNDER_TIMEOUT),
             "torchrun_interrupted": lambda: train_until_sigterm(torchrun, [*UNDER_TIMEOUT, *TORCHRUN]),
+            "muon_out": lambda: train(*TINY, *MUON, f"output.dir={root / 'muon'}"),
         }
     )
     out.update(first)

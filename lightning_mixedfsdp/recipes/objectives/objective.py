@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
+from lightning_mixedfsdp.apply.muon import muon_with_adamw, split_summary
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
@@ -61,12 +62,19 @@ class Schedule(NamedTuple):
     betas: Tuple[float, float]
     warmup_steps: int
     max_steps: int
+    optimizer: str = "adamw"
+    """``adamw``, or ``muon``: Muon for the blocks' matrices beside AdamW (``muon_with_adamw``)."""
+    muon_lr: float = 0.02
+    adjust_lr_fn: str = "original"
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Schedule":
         optim = recipe.optimizer
         betas = (optim.betas[0], optim.betas[1])
-        return cls(optim.lr, optim.weight_decay, betas, optim.warmup_steps, recipe.trainer.max_steps)
+        return cls(
+            optim.lr, optim.weight_decay, betas, optim.warmup_steps, recipe.trainer.max_steps, optim.name,
+            optim.muon_lr, optim.adjust_lr_fn,
+        )  # fmt: skip
 
 
 class TrainingLoss(NamedTuple):
@@ -209,7 +217,16 @@ class Objective(pl.LightningModule, ABC):
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.parameters() if p.requires_grad]  # LoRA: the adapters only
         plan = self.schedule
-        optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas)
+        optimizer: torch.optim.Optimizer
+        if plan.optimizer == "muon":
+            assert self.model is not None  # configure_model built it
+            optimizer = muon_with_adamw(
+                self.model, lr=plan.muon_lr, adamw_lr=plan.lr, weight_decay=plan.weight_decay,
+                adjust_lr_fn=plan.adjust_lr_fn, adamw_betas=plan.betas,
+            )  # fmt: skip
+            rank_zero_info(f"optimizer: {split_summary(optimizer)}")
+        else:
+            optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.max_steps)
         )

@@ -28,6 +28,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
+from lightning_mixedfsdp.apply.muon import split_for_muon, split_lines
 from lightning_mixedfsdp.compat.extras import MissingPackage, installed
 from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
 from lightning_mixedfsdp.planning.memory import estimate_memory
@@ -226,11 +227,16 @@ def dry_run(recipe: Recipe) -> None:
     config = strategy_config(recipe)
     for name, model in models.items():
         plan = plan_sharding(model, config, recipe.trainer.precision)
-        estimate = estimate_memory(plan, shard_ranks=world // replicate, data_parallel_ranks=world)
+        muon, rest = split_for_muon(model) if name == "model" and recipe.optimizer.name == "muon" else ([], [])
+        muon_names = {n for n, _ in muon}
+        estimate = estimate_memory(plan, world // replicate, world, muon_names)
         if len(models) > 1:
             print(f"== {name}")
         print(format_plan(plan))
         print()
+        if muon:
+            print("\n".join(split_lines(muon, rest)))
+            print()
         print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
 
 

@@ -216,14 +216,24 @@ class PreferenceSection:
 
 @dataclass
 class OptimizerSection:
+    name: str = "adamw"
+    """``adamw`` (every trainable param), or ``muon``: one optimizer (``lightning_mixedfsdp.muon_with_adamw``) with
+    Muon for the 2-D weights inside the repeated blocks, each orthogonalised whole on its owner rank, and AdamW for
+    the embeddings, the output head, norms, biases and keep-fp32 params."""
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.01
-    """AdamW weight decay."""
+    """Weight decay (AdamW's and, with ``name: muon``, Muon's)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
     warmup_steps: int = 20
     """Linear warm-up steps, then cosine decay to 10%."""
+    muon_lr: float = 0.02
+    """``name: muon``: Muon's peak learning rate (its matrices follow the same warm-up and decay)."""
+    adjust_lr_fn: str = "original"
+    """``name: muon``: how Muon scales its lr by a matrix's shape (``torch.optim.Muon``'s ``adjust_lr_fn``):
+    ``original`` (sqrt(max(1, rows / cols)), Keller Jordan's) or ``match_rms_adamw`` (0.2 x sqrt(max(rows, cols)),
+    Moonlight's, whose updates have AdamW's size: ``muon_lr`` can then be AdamW's lr)."""
 
 
 @dataclass
@@ -346,6 +356,37 @@ def recipe_spelling(problem: str) -> str:
     return spelled if spelled.startswith("strategy.") else f"strategy.{spelled}"
 
 
+OPTIMIZERS = ("adamw", "muon")
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def optimizer_problems(recipe: Recipe) -> List[str]:
+    """What the optimizer section asks that cannot run, each with its fix."""
+    optimizer, problems = recipe.optimizer, []
+    if optimizer.name not in OPTIMIZERS:
+        problems.append(f"optimizer.name={optimizer.name!r} is none of {', '.join(OPTIMIZERS)}; pick one")
+    if optimizer.adjust_lr_fn not in ADJUST_LR_FNS:
+        problems.append(f"optimizer.adjust_lr_fn={optimizer.adjust_lr_fn!r} is none of {', '.join(ADJUST_LR_FNS)}")
+    if optimizer.name != "muon":
+        return problems
+    if recipe.strategy.dtypes.bf16_updates != "nearest":
+        problems.append(
+            f"optimizer.name=muon with strategy.dtypes.bf16_updates={recipe.strategy.dtypes.bf16_updates!r}: the"
+            " bf16 write-back computes AdamW's updates, not Muon's; set bf16_updates=nearest or optimizer.name=adamw"
+        )
+    if recipe.peft.enabled:
+        problems.append(
+            "optimizer.name=muon with peft.enabled=true: LoRA's factors are not the weights Muon is for (untested);"
+            " set optimizer.name=adamw"
+        )
+    if recipe.strategy.parallelism.tensor_parallel_size not in (1, "auto"):
+        problems.append(
+            "optimizer.name=muon with tensor parallelism: Muon needs each matrix whole on one rank, and tensor"
+            " parallelism splits its columns; set optimizer.name=adamw"
+        )
+    return problems
+
+
 def validate_recipe(recipe: Recipe) -> List[str]:
     """Semantic checks the schema's types cannot express."""
     problems = [recipe_spelling(p) for p in recipe.strategy.problems()]
@@ -355,6 +396,7 @@ def validate_recipe(recipe: Recipe) -> List[str]:
         problems.append(f"trainer.{precision_problem(recipe.trainer.precision)}")
     elif recipe.strategy.bf16_updates_problem(recipe.trainer.precision) is not None:
         problems.append(recipe_spelling(str(recipe.strategy.bf16_updates_problem(recipe.trainer.precision))))
+    problems += optimizer_problems(recipe)
     for name in ("devices", "num_nodes", "max_steps", "accumulate_grad_batches", "val_check_interval"):
         if getattr(recipe.trainer, name) < 1:
             problems.append(f"trainer.{name}={getattr(recipe.trainer, name)} must be >= 1")
