@@ -119,12 +119,13 @@ def _name(param: Tensor, names: Dict[int, str]) -> str:
 
 
 def install_sharded_muon(optimizer: Optimizer, names: Dict[int, str], bf16_updates: str, owner: str) -> bool:
-    """Make ``optimizer`` (a ``torch.optim.Muon`` or a :class:`MuonWithAdamW`) compute each matrix's update whole;
-    False for any other optimizer. Raises, naming ``owner``, what Muon cannot take."""
+    """Make ``optimizer`` (a ``torch.optim.Muon``, or a subclass that keeps its step, or a :class:`MuonWithAdamW`)
+    compute each matrix's update whole; False for any other optimizer. Raises, naming ``owner``, what Muon cannot
+    take."""
     if isinstance(optimizer, MuonWithAdamW):
         groups = [g for g in optimizer.param_groups if g[MUON_KEY]]
-    elif isinstance(optimizer, torch.optim.Muon):
-        groups = list(optimizer.param_groups)
+    elif isinstance(optimizer, torch.optim.Muon) and type(optimizer).step is torch.optim.Muon.step:
+        groups = list(optimizer.param_groups)  # torch's math: a subclass with a step of its own is not taken over
     else:
         return False
     problems = muon_problems(optimizer, names, groups)

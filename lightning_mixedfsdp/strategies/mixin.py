@@ -193,15 +193,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         semi-synchronous replicas (``replicate_sync``). Muon (``torch.optim.Muon``, ``MuonWithAdamW``) computes each
         matrix's update whole (``apply/muon.py``); another optimizer that would compute each update from a shard of a
         matrix it needs whole is refused first."""
-        owner = type(self).__name__
-        names = {id(p): canonical_name(n) for m in self._sharded.modules() for n, p in m.named_parameters()}
-        if not install_sharded_muon(optimizer, names, self._config.dtypes.bf16_updates, owner):
-            refuse_whole_matrix_optimizer(optimizer, owner)
+        # before the hooks below, once: the step's own writes first, so the hooks after it see the step's params
+        _install_step(optimizer, self._sharded.modules(), self._config.dtypes.bf16_updates, type(self).__name__)
         if optimizer not in self._watched:
-            # the bf16 params' write-back first: the hooks after it see the step's params
-            method = self._config.dtypes.bf16_updates
-            if not install_sharded_muon(optimizer, names, "nearest", owner):  # Muon's own step writes its params
-                install_bf16_updates(optimizer, method, _run_seed, owner)
             optimizer.register_step_pre_hook(self._before_optimizer_step)
             optimizer.register_step_post_hook(self._after_optimizer_step)
             self._sharded.attach_optimizer(optimizer)
@@ -221,6 +215,17 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     def plan_of(self, module: nn.Module) -> ShardPlan:
         """The dtype plan applied to ``module`` (a model set up by this strategy)."""
         return self._sharded.plan_of(module)
+
+
+def _install_step(optimizer: Optimizer, modules: Sequence[nn.Module], bf16_updates: str, owner: str) -> None:
+    """The step ``optimizer`` runs under the strategy: Muon's, each matrix orthogonalised whole (``apply/muon.py``),
+    or its own with the bf16 params' write-back (``apply/bf16_updates.py``); an optimizer that needs whole matrices
+    and is not Muon is refused. Each install happens once however often it is asked; the refusals every time."""
+    names = {id(p): canonical_name(n) for module in modules for n, p in module.named_parameters()}
+    if install_sharded_muon(optimizer, names, bf16_updates, owner):
+        return
+    refuse_whole_matrix_optimizer(optimizer, owner)
+    install_bf16_updates(optimizer, bf16_updates, _run_seed, owner)  # type: ignore[arg-type]
 
 
 def _run_seed() -> int:
