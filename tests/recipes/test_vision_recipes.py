@@ -17,6 +17,7 @@ from lightning_mixedfsdp.recipes.data.vision import VisionExampleMaker
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.hf_models import COMMON
+from tests.launch_together import run_together
 from tests.recipes.test_hf_recipes import train
 
 ROWS = 48
@@ -79,14 +80,13 @@ def recipe_args(folder: Dict[str, Path], out: Path, *extra: str) -> List[str]:
 
 @pytest.fixture(scope="module")
 def runs(llava_folder: Dict[str, Path]) -> Dict[str, Any]:
+    """The full fine-tuning (activation checkpointing, the precision monitor) and the LoRA one, launched together."""
     root = llava_folder["root"]
-    full = train(
-        *recipe_args(
-            llava_folder, root / "full", "strategy.sharding.activation_checkpointing=full", "monitor.every_n_steps=2"
-        )
+    full = recipe_args(
+        llava_folder, root / "full", "strategy.sharding.activation_checkpointing=full", "monitor.every_n_steps=2"
     )
-    lora = train(*recipe_args(llava_folder, root / "lora", "peft.enabled=true", "peft.target_modules=[q_proj,v_proj]"))
-    return {"full": full, "lora": lora, "root": root}
+    lora = recipe_args(llava_folder, root / "lora", "peft.enabled=true", "peft.target_modules=[q_proj,v_proj]")
+    return {**run_together({"full": lambda: train(*full), "lora": lambda: train(*lora)}), "root": root}
 
 
 def pretrained(folder: Path) -> Dict[str, torch.Tensor]:
