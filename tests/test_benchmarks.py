@@ -359,3 +359,17 @@ def test_semi_sync_runs_and_diloco_moves_a_fraction_of_every_step_syncs_bytes(ca
     # fp32 pseudo-gradients every 5 steps against bf16 gradients every step: about 2/5 of the bytes
     assert 0.35 < results["diloco_5"]["bytes"] / results["every_step"]["bytes"] < 0.45
     assert "| diloco_5 |" in capsys.readouterr().out
+
+
+def test_muon_benchmark_compares_both_optimizers_and_both_exchanges(capsys) -> None:
+    from benchmarks import muon
+
+    results = muon.main(["--steps", "4", "--dim", "32", "--seq", "16", "--batch", "2"])
+    assert set(results["curves"]) == {"AdamW", "Muon + AdamW"}
+    assert all(list(curve) == [4] for curve in results["curves"].values())
+    assert results["step_s"]["owner-based"] > 0 and results["step_s"]["naive"] > 0
+    # each matrix orthogonalised once across the 2 ranks, not on both: half the FLOPs summed over ranks, or less
+    assert results["flops"]["owner-based"] < results["flops"]["naive"]
+    assert results["bytes"]["owner-based"] < results["bytes"]["naive"] * 2
+    out = capsys.readouterr().out
+    assert "| owner-based |" in out and "| naive |" in out and "reaches AdamW's 4-step perplexity" in out
