@@ -25,13 +25,13 @@ states are put back in fp32 after it. Each param group records the method (``bf1
 which one ran."""
 
 import math
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Literal, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from lightning_mixedfsdp.apply.step_takeover import take_over_step
+from lightning_mixedfsdp.apply.step_takeover import StepAround
 from lightning_mixedfsdp.compat.torchao import is_nf4
 from lightning_mixedfsdp.model.rounding import compensated_write, generator_for, round_stochastically
 from lightning_mixedfsdp.model.tensors import local_tensor
@@ -94,11 +94,10 @@ class Bf16Writer:
         """Each taken param (by identity) at its position among the optimizer's params."""
         self.taken: Set[int] = set()
         self._take_new_groups()
-        self._held: List[List[Tensor]] = []
         self._loading: Dict[Tuple[int, str], Tensor] = {}
-        self._own_step = type(optimizer).step  # torch's, wrapped by its step hooks
-        take_over_step(optimizer, self._step)
-        optimizer.register_step_post_hook(self._after_step)  # the first post hook: others see the written params
+        # the optimizer's own step over its other params, then (its first post hook: others see the written params)
+        # the taken ones written here
+        StepAround(optimizer, keep=lambda p: id(p) not in self.taken, after=self._write, before=self._take_new_groups)
         optimizer.register_load_state_dict_pre_hook(self._before_load)
         optimizer.register_load_state_dict_post_hook(self._after_load)
 
@@ -117,39 +116,11 @@ class Bf16Writer:
                     self.taken.add(id(param))
                 position += 1
 
-    def _step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """The closure first (forward, backward, Lightning's ``zero_grad`` and clipping: all of them see every
-        param), then the optimizer's own step over its other params, then (its first post hook) the taken ones."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._take_new_groups()
-        self._held = [group["params"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) not in self.taken]
-        try:
-            self._own_step(self.optimizer)
-        finally:
-            self._restore_groups()
-        return loss
-
-    def _restore_groups(self) -> bool:
-        if not self._held:
-            return False
-        for group, params in zip(self.optimizer.param_groups, self._held, strict=True):
-            group["params"] = params
-        self._held = []
-        return True
-
-    def _after_step(self, optimizer: Optimizer, *_: Any) -> None:
-        if not self._restore_groups():  # the class's step called around this writer: nothing was held back
-            return
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if id(param) in self.taken and param.grad is not None:
-                        self._update(param, group)
+    def _write(self, optimizer: Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self.taken and param.grad is not None:
+                    self._update(param, group)
 
     def _update(self, param: Tensor, group: Dict[str, Any]) -> None:
         state = self.optimizer.state[param]

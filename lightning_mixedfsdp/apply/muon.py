@@ -16,7 +16,6 @@ Two ways in:
 
 What Muon cannot take is refused, naming the param and the fix (:func:`muon_problems`)."""
 
-import re
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from lightning_mixedfsdp.apply.muon_exchange import MatrixUpdate, layout_problem, orthogonalise
-from lightning_mixedfsdp.apply.step_takeover import take_over_step
+from lightning_mixedfsdp.apply.step_takeover import StepAround
 from lightning_mixedfsdp.compat.torch import muon_adjusted_lr
 from lightning_mixedfsdp.model.tensors import local_tensor
 
@@ -140,45 +139,9 @@ def install_sharded_muon(optimizer: Optimizer, names: Dict[int, str], bf16_updat
         raise ValueError(f"{owner}: {kind.__module__}.{kind.__name__}: " + "; ".join(problems))
     if not isinstance(optimizer, MuonWithAdamW) and not getattr(optimizer, "_mixed_fsdp_muon", False):
         optimizer._mixed_fsdp_muon = True  # type: ignore[attr-defined]
-        take_over_step(optimizer, _TorchMuonStep(optimizer))
+        # the class's step over no params (its hooks still run), then Muon over every group
+        StepAround(optimizer, keep=lambda _: False, after=lambda o: muon_update(o, o.param_groups))
     return True
-
-
-class _TorchMuonStep:
-    """A ``torch.optim.Muon``'s step taken over: the closure first, then the class's own step over no params (its
-    step hooks run as always), and, as its first post hook, :func:`muon_update` over every group."""
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-        self.held: List[List[Tensor]] = []
-        optimizer.register_step_post_hook(self._after_step)
-
-    def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.held = [group["params"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["params"] = []
-        try:
-            type(self.optimizer).step(self.optimizer)
-        finally:
-            self._restore()
-        return loss
-
-    def _restore(self) -> bool:
-        if not self.held:
-            return False
-        for group, params in zip(self.optimizer.param_groups, self.held, strict=True):
-            group["params"] = params
-        self.held = []
-        return True
-
-    def _after_step(self, optimizer: Optimizer, *_: Any) -> None:
-        if self._restore():
-            with torch.no_grad():
-                muon_update(optimizer, optimizer.param_groups)
 
 
 class MuonWithAdamW(Optimizer):
@@ -297,17 +260,13 @@ def split_for_muon(model: nn.Module) -> Tuple[List[Tuple[str, Tensor]], List[Tup
     return muon, rest
 
 
-def split_lines(muon: Sequence[Tuple[str, Tensor]], rest: Sequence[Tuple[str, Tensor]]) -> List[str]:
-    """The dry run's words for a split: each optimizer's params (the blocks' indices folded into ``*``), counts and
-    state per element."""
-    lines = [
+def split_lines(muon: Sequence[Tuple[str, Tensor]], rest: Sequence[Tuple[str, Tensor]]) -> str:
+    """The dry run's words for a split: each optimizer's counts and its state per element (the report's optimizer
+    column names each param's)."""
+    return (
         f"optimizer: Muon for {len(muon)} matrices ({_millions([p for _, p in muon])} params, 1 state each: the"
         f" momentum buffer); AdamW for {len(rest)} tensors ({_millions([p for _, p in rest])} params, 2 states each)"
-    ]
-    for label, named in (("Muon", muon), ("AdamW", rest)):
-        folded = sorted({re.sub(r"\.\d+\.", ".*.", name) for name, _ in named})
-        lines.append(f"  {label}: {', '.join(folded)}")
-    return lines
+    )
 
 
 def split_summary(optimizer: MuonWithAdamW) -> str:

@@ -55,10 +55,17 @@ def format_count(count: float) -> str:
     return f"{count:.0f}"
 
 
-def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) -> str:
+PARAM_COLUMNS = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group", "keep-fp32 rule")
+"""The dtype report's columns for params (``stalled`` and ``optimizer`` follow when given)."""
+
+
+def format_plan(
+    plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None, optimizers: Optional[Mapping[str, str]] = None
+) -> str:
     """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``. ``stalled``: the
     precision monitor's latest share per param (``PrecisionMonitor.shares``), shown per row (the largest of a
-    collapsed row's blocks)."""
+    collapsed row's blocks). ``optimizers``: the optimizer each trainable param gets (``Muon``, ``AdamW``), shown
+    per row."""
     in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
     param_rows: List[Tuple[str, ...]] = [
         (
@@ -73,14 +80,11 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
         )
         for p in plan.params.values()
     ]
-    header: Tuple[str, ...] = ("parameter", "shape", "storage", "compute", "reduce", "placement", "group")
-    header += ("keep-fp32 rule",)
+    header: Tuple[str, ...] = PARAM_COLUMNS
     if stalled is not None:
-        worst: Dict[str, float] = {}
-        for name, share in stalled.items():
-            worst[collapse_indices(name)] = max(share, worst.get(collapse_indices(name), 0.0))
-        param_rows = [(*row, f"{worst[row[0]]:.0%}" if row[0] in worst else "-") for row in param_rows]
-        header += ("stalled",)
+        header, param_rows = _with_stalled(header, param_rows, stalled)
+    if optimizers is not None:
+        header, param_rows = _with_optimizers(header, param_rows, optimizers)
     buffer_rows = [
         (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.set_by) for b in plan.buffers.values()
     ]
@@ -111,6 +115,24 @@ def format_plan(plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None) 
     if plan.warnings:
         lines += [""] + [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _with_stalled(
+    header: Tuple[str, ...], rows: List[Tuple[str, ...]], stalled: Mapping[str, float]
+) -> Tuple[Tuple[str, ...], List[Tuple[str, ...]]]:
+    """The report's rows with the precision monitor's largest share of each (collapsed) param."""
+    worst: Dict[str, float] = {}
+    for name, share in stalled.items():
+        worst[collapse_indices(name)] = max(share, worst.get(collapse_indices(name), 0.0))
+    return (*header, "stalled"), [(*row, f"{worst[row[0]]:.0%}" if row[0] in worst else "-") for row in rows]
+
+
+def _with_optimizers(
+    header: Tuple[str, ...], rows: List[Tuple[str, ...]], optimizers: Mapping[str, str]
+) -> Tuple[Tuple[str, ...], List[Tuple[str, ...]]]:
+    """The report's rows with the optimizer of each (collapsed) param."""
+    by_row = {collapse_indices(name): optimizer for name, optimizer in optimizers.items()}
+    return (*header, "optimizer"), [(*row, by_row.get(row[0], "-")) for row in rows]
 
 
 def conditional_lines(plan: ShardPlan, shard_ranks: Optional[int] = None) -> List[str]:

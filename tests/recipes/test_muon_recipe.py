@@ -31,8 +31,15 @@ def test_the_dry_run_says_which_optimizer_each_param_gets_and_counts_one_state_f
     main([*TINY, "--dry-run", "optimizer.name=muon"])
     muon = capsys.readouterr().out
     assert f"optimizer: Muon for {MATRICES} matrices" in muon and "1 state each: the momentum buffer" in muon
-    assert "  Muon: layers.*.attention.in_proj.weight, " in muon
-    assert re.search(r"  AdamW: .*layers\.\*\.attention_norm\.weight.*tok_embeddings\.weight", muon)
+    # the report's optimizer column: the blocks' matrices Muon, norms, the mixer's A_log, embeddings and head AdamW
+    rows = {
+        line.split()[0]: line.split()[-1] for line in muon.splitlines() if line.startswith(("layers.", "tok_", "out"))
+    }
+    assert rows["layers.*.attention.wq.weight"] == rows["layers.*.feed_forward.w2.weight"] == "Muon"
+    assert rows["layers.*.attention.in_proj.weight"] == "Muon"
+    assert rows["layers.*.attention_norm.weight"] == rows["layers.*.attention.A_log"] == "AdamW"
+    assert rows["tok_embeddings.weight"] == rows["output.weight"] == "AdamW"
+    assert "optimizer" not in adamw.splitlines()[3]  # an AdamW recipe's report has no optimizer column
 
     def states(text: str, label: str) -> str:
         return re.search(rf"  {label} +([\d.]+ \w+)", text).group(1)  # type: ignore[union-attr]

@@ -232,10 +232,11 @@ def dry_run(recipe: Recipe) -> None:
         estimate = estimate_memory(plan, world // replicate, world, muon_names)
         if len(models) > 1:
             print(f"== {name}")
-        print(format_plan(plan))
+        optimizers = {n: "Muon" if n in muon_names else "AdamW" for n, _ in rest + muon} if muon else None
+        print(format_plan(plan, optimizers=optimizers))
         print()
         if muon:
-            print("\n".join(split_lines(muon, rest)))
+            print(split_lines(muon, rest))
             print()
         print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
 
