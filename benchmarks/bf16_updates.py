@@ -130,13 +130,18 @@ def held_out_loss(model: Any, held_out: Tensor, seq: int) -> float:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[1:].reshape(-1, seq).flatten()).item()
 
 
-def main(argv: Any = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=250)
+def main_job_parser(description: str, steps: int, batch_per: str = "rank") -> argparse.ArgumentParser:
+    """The flags of a benchmark on the main job's model: steps, width, sequence length, rows a step."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--dim", type=int, default=128, help="the model's width (the main job's: 128)")
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="rows per rank a step")
-    args = parser.parse_args(argv)
+    parser.add_argument("--batch", type=int, default=8, help=f"rows per {batch_per} a step")
+    return parser
+
+
+def main(argv: Any = None) -> Dict[str, Any]:
+    args = main_job_parser(__doc__ or "", 250).parse_args(argv)
     launch = run_distributed(_launch, 2, args.steps, args.dim, args.seq, args.batch, timeout=7200)
     results = launch[0]
     print(

@@ -18,7 +18,6 @@ rank sends in the step's collectives and the Newton-Schulz FLOPs each rank compu
 Figures, never asserted: ``tests/test_benchmarks.py`` runs it at tiny sizes for its structure.
 """
 
-import argparse
 import math
 import statistics
 import time
@@ -27,7 +26,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from benchmarks.bf16_updates import held_out_loss, stdlib_bytes, train_step
+from benchmarks.bf16_updates import held_out_loss, main_job_parser, stdlib_bytes, train_step
 from lightning_mixedfsdp.apply.muon_exchange import owners, row_counts
 from lightning_mixedfsdp.testing import run_distributed
 
@@ -171,12 +170,7 @@ def steps_to_reach(curve: Dict[int, float], target: float) -> Any:
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--dim", type=int, default=128, help="the model's width (the main job's: 128)")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="rows per rank a step")
-    args = parser.parse_args(argv)
+    args = main_job_parser(__doc__ or "", 250).parse_args(argv)
     ranks = run_distributed(_launch, 2, args.steps, args.dim, args.seq, args.batch, timeout=7200)
     results = ranks[0]
     curves = results["curves"]

@@ -26,7 +26,6 @@ are equal then), and the median step time.
 Figures, never asserted: ``tests/test_benchmarks.py`` runs it at tiny sizes for its structure.
 """
 
-import argparse
 import math
 import statistics
 import sys
@@ -35,7 +34,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from benchmarks.bf16_updates import held_out_loss, stdlib_bytes, train_step
+from benchmarks.bf16_updates import held_out_loss, main_job_parser, stdlib_bytes, train_step
 from lightning_mixedfsdp.testing import run_distributed
 
 SETUPS: Dict[str, Tuple[str, int, float]] = {
@@ -114,11 +113,7 @@ def _train(
 
 
 def main(argv: Any = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--dim", type=int, default=128, help="the model's width (the main job's: 128)")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="rows per replica a step")
+    parser = main_job_parser(__doc__ or "", 500, batch_per="replica")
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's peak lr (the main job's: 3e-3)")
     parser.add_argument("--warm-start", default="", help="an export folder every set-up starts from (default: random)")
