@@ -4,6 +4,8 @@
   gets its floating inputs cast to its compute dtype and its outputs cast back. Autograd saves the bf16 input
   instead of its fp32 upcast (``activations.py``: bit for bit the same math, no fp32 copy of the activation kept);
   with ``recompute`` the whole region is recomputed in backward instead.
+- **fp32 compute** (``dtypes.fp32_compute_modules``): an ``nn.Linear`` stored and gathered in its group's dtype
+  multiplies in fp32 (weight, bias and input upcast after the all-gather) and returns fp32: an LM head's logits.
 - **Local views**: a replicated param is a Replicate DTensor in ``_parameters`` (what optimizers, clipping and DCP
   see); reading the attribute (``norm.weight``) gives its local tensor in the compute dtype, which unmodified module
   code (HF's included) can mix with plain activations. In eager mode that is the DTensor's own local tensor as an
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.apply.activations import narrow_saves, recomputed
@@ -42,9 +45,12 @@ class Adaptation:
     boundary: Optional[Boundary] = None
     views: Tuple[Tuple[str, torch.dtype], ...] = ()
     """(attribute, compute dtype) of each replicated param the module owns."""
+    fp32_compute: bool = False
+    """An ``nn.Linear`` that multiplies in fp32: its (gathered) weight, bias and input upcast, its output fp32."""
 
     def merged(self, other: "Adaptation") -> "Adaptation":
-        return Adaptation(other.boundary or self.boundary, tuple(sorted({*self.views, *other.views})))
+        views = tuple(sorted({*self.views, *other.views}))
+        return Adaptation(other.boundary or self.boundary, views, self.fp32_compute or other.fp32_compute)
 
 
 class ClassRestore:
@@ -92,6 +98,8 @@ def _adapted_class(cls: type, adaptation: Adaptation) -> type:
         namespace.update({name: property(_local_view(name, dtype)) for name, dtype in adaptation.views})
         if adaptation.boundary is not None:
             namespace["forward"] = _boundary_forward(cls.forward, adaptation.boundary)  # type: ignore[attr-defined]
+        if adaptation.fp32_compute:
+            namespace["forward"] = _fp32_linear_forward
         _CLASSES[key] = type(cls.__name__, (cls,), namespace)
     return _CLASSES[key]
 
@@ -161,6 +169,14 @@ def _boundary_forward(forward: Any, boundary: Boundary) -> Any:
         return run(self, args, kwargs)
 
     return adapted_forward
+
+
+def _fp32_linear_forward(self: nn.Linear, input: Tensor) -> Tensor:
+    # the weight read here is what FSDP gathered (the group's compute dtype): upcast after the all-gather, so storage,
+    # sharding and communication stay the group's; autocast off, or it would cast the matmul back down
+    bias = self.bias.float() if self.bias is not None else None
+    with torch.autocast(input.device.type, enabled=False):
+        return F.linear(input.float(), self.weight.float(), bias)
 
 
 def _is_fsdp_class(cls: type) -> bool:

@@ -40,6 +40,14 @@ def apply_boundaries(index: ModuleIndex, groups: Sequence[ShardGroup], recompute
     return restores
 
 
+def apply_fp32_compute(index: ModuleIndex, modules: Sequence[str]) -> List[ClassRestore]:
+    """``modules`` (``nn.Linear``, planned by ``dtypes.fp32_compute_modules``) multiply in fp32 whatever dtype their
+    weight is stored and gathered in."""
+    return [adapt(index.inner[name], Adaptation(fp32_compute=True)) for name in modules]
+
+
 def apply_dtype_boundaries(model: nn.Module, plan: ShardPlan, recompute: bool = False) -> List[ClassRestore]:
-    """Every minority group's boundary, on a model that is not sharded (nothing else casts)."""
-    return apply_boundaries(ModuleIndex(model), plan.groups, recompute)
+    """Every minority group's boundary and the fp32-compute modules, on a model that is not sharded (nothing else
+    casts)."""
+    index = ModuleIndex(model)
+    return apply_boundaries(index, plan.groups, recompute) + apply_fp32_compute(index, tuple(plan.fp32_compute))

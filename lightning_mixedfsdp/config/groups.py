@@ -70,6 +70,7 @@ class Dtypes(OptionGroup):
         "cast_buffers": "cast_buffers",
         "pin_frozen_modules": "pin_frozen_modules",
         "bf16_updates": "bf16_updates",
+        "fp32_compute_modules": "fp32_compute_modules",
     }
 
     storage: StorageChoice = "auto"
@@ -120,6 +121,13 @@ class Dtypes(OptionGroup):
     per element: a bf16 first and an fp32 second moment); ``"kahan"`` keeps each rounding's loss in a bf16 buffer
     and adds it to the next update (8 bytes). ``torch.optim.AdamW``, ``Adam`` and ``SGD`` only; keep-fp32, frozen
     and 4-bit params are untouched. Refused where the trained params have fp32 masters already."""
+
+    fp32_compute_modules: List[str] = field(default_factory=list, metadata={PATTERNS: "regex"})
+    """``nn.Linear`` modules that compute in fp32 while stored in the bulk dtype: a regex searched in qualified module
+    names (``"^lm_head$"``) or a class name as ``keep_fp32_modules`` takes it. The module stays stored, sharded and
+    all-gathered as its group is; its forward upcasts the gathered weight and its input, multiplies in fp32 and
+    returns fp32 (an LM head's logits: RL's token probabilities). A head tied to the input embedding computes its
+    matmul in fp32 and leaves the embedding's lookup and storage as they are. Default ``[]``."""
 
     def semantic_problems(self) -> List[str]:
         if self.storage == "bf16" and self.compute == "fp32":

@@ -26,6 +26,7 @@ from lightning_mixedfsdp.planning.buffers import plan_buffers
 from lightning_mixedfsdp.planning.conditional import find_conditional_modules, without_conditional_units
 from lightning_mixedfsdp.planning.experts import ExpertPlan, plan_experts
 from lightning_mixedfsdp.planning.float8 import fused_experts, plan_float8
+from lightning_mixedfsdp.planning.fp32_compute import plan_fp32_compute
 from lightning_mixedfsdp.planning.groups import (
     effective_key,
     find_wrap_units,
@@ -111,6 +112,9 @@ def plan_model(
     if mixed_dtype_groups:
         groups, param_plans = one_group_per_unit(groups, param_plans)
     buffer_plans, unbuilt = plan_buffers(model, index, matches, frozen, bulk, options.dtypes.cast_buffers)
+    fp32_compute, fp32_compute_warnings = plan_fp32_compute(
+        index, options.dtypes.fp32_compute_modules, tuple(matches.rule_of)
+    )
     return ShardPlan(
         bulk=bulk,
         params=param_plans,
@@ -129,9 +133,10 @@ def plan_model(
         replica_groups=options.replica_groups,
         context_parallel=options.parallelism.context_parallel_size,
         frozen_pinned=frozen_pinned,
+        fp32_compute=fp32_compute,
         conditional_modules=tuple(conditional),
         non_persistent_buffers=_non_persistent_buffers(index),
-        warnings=_plan_warnings(matches, unbuilt),
+        warnings=(*_plan_warnings(matches, unbuilt), *fp32_compute_warnings),
     )
 
 

@@ -67,12 +67,13 @@ def format_plan(
     collapsed row's blocks). ``optimizers``: the optimizer each trainable param gets (``Muon``, ``AdamW``), shown
     per row."""
     in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
+    fp32_compute = {n for m in plan.fp32_compute for n in plan.params_in(m)}
     param_rows: List[Tuple[str, ...]] = [
         (
             collapse_indices(p.name) + ("" if p.requires_grad else " (frozen)"),
             format_shape(p.shape),
             p.storage_name,
-            short_dtype(p.key.compute),
+            short_dtype(p.key.compute) + ("->fp32" if p.name in fp32_compute else ""),
             short_dtype(p.key.reduce),
             "replicated" if p.replicated else "expert-parallel" if p.name in in_experts else "sharded",
             collapse_indices(p.group),
@@ -109,6 +110,7 @@ def format_plan(
     summary += conditional_lines(plan)
     summary += offload_lines(plan)
     summary += bf16_update_lines(plan)
+    summary += fp32_compute_lines(plan)
     lines = summary + [""] + format_table(header, param_rows)
     if buffer_rows:
         lines += [""] + format_table(("buffer", "shape", "dtype", "set by"), buffer_rows)
@@ -256,6 +258,21 @@ def bf16_update_lines(plan: ShardPlan) -> List[str]:
     return [
         f"bf16_updates {plan.bf16_updates}: the updates of {len(trained)} trainable bf16 params {what}; AdamW keeps"
         f" {per_element} bytes per element (bf16 param: {2 + per_element} with it, fp32 masters: 12; nearest: 6)"
+    ]
+
+
+def fp32_compute_lines(plan: ShardPlan) -> List[str]:
+    """The modules that compute in fp32 while stored in their group's dtype (``dtypes.fp32_compute_modules``)."""
+    if not plan.fp32_compute:
+        return []
+    rows = []
+    for module, entry in plan.fp32_compute.items():
+        weight = plan.params.get(f"{module}.weight")
+        tied = " (tied: its weight is another module's, whose own compute is unchanged)" if weight is None else ""
+        rows.append(f"{module} [{entry}]{tied}")
+    return [
+        "compute fp32 (fp32_compute_modules): gathered in the group's dtype, then weight and input upcast, the matmul"
+        " and its output in fp32; storage and sharding unchanged: " + ", ".join(rows)
     ]
 
 

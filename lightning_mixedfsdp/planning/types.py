@@ -164,6 +164,9 @@ class ShardPlan:
     conditional_modules: Tuple[str, ...] = ()
     """Modules that run for some inputs only (a vision tower, a projector): never units; their params ride in the
     unit around them, which reduces zeros for the trainable ones a rank did not run (``planning/conditional.py``)."""
+    fp32_compute: Dict[str, str] = field(default_factory=dict)
+    """``dtypes.fp32_compute_modules``: each ``nn.Linear`` module that computes in fp32 while stored in its group's
+    dtype, with the entry that matched it (``apply/fp32_compute.py``)."""
     frozen_pinned: Tuple[str, ...] = ()
     """Frozen params held as a frozen module's are (its compute dtype: no fp32 master, no fp32 reduce) where a
     trainable param would get other dtypes: made trainable after setup they would train without what the precision

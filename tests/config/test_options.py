@@ -112,6 +112,7 @@ FLAT_VALUES = {
     "cast_buffers": True,
     "pin_frozen_modules": False,
     "bf16_updates": "kahan",
+    "fp32_compute_modules": ["^lm_head$"],
     "wrap_units": ["Block"],
     "conditional_modules": [r"vision_tower$"],
     "reshard_after_forward": False,
