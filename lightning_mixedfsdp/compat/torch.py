@@ -50,6 +50,27 @@ def refresh_fsdp_group_dtypes(group: Any) -> None:
     group._init_mp_dtypes()
 
 
+def fsdp_post_forward_mesh_infos(module: nn.Module) -> List[Any]:
+    """Whether (and onto what) each of ``module``'s own FSDP groups reshards after forward: private
+    ``FSDPParamGroup.post_forward_mesh_info`` (None: kept unsharded), which the public
+    ``set_reshard_after_forward`` writes but nothing reads back; checked on torch 2.11 to 2.15. The root's is None
+    once FSDP initialised it lazily (the root is not resharded after forward)."""
+    return [group.post_forward_mesh_info for group in fsdp_param_groups(module)]
+
+
+def fsdp_lazy_init(root: nn.Module) -> None:
+    """FSDP's lazy init of the root ``root`` (which modules are root and not, the root's no-reshard-after-forward),
+    which otherwise runs at its first forward: private ``FSDPState._lazy_init``, idempotent, checked on torch 2.11 to
+    2.15."""
+    root._get_fsdp_state()._lazy_init()  # type: ignore[operator]
+
+
+def set_fsdp_post_forward_mesh_infos(module: nn.Module, infos: Sequence[Any]) -> None:
+    """Restore what :func:`fsdp_post_forward_mesh_infos` read (private, as there)."""
+    for group, info in zip(fsdp_param_groups(module), infos, strict=True):
+        group.post_forward_mesh_info = info
+
+
 def gradient_divide_factor(module: nn.Module) -> Optional[float]:
     """The factor ``FSDPModule.set_gradient_divide_factor`` set on ``module``'s own groups, if any.
 

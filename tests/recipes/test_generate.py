@@ -3,8 +3,7 @@ ran out of new tokens inside."""
 
 import pytest
 
-from lightning_mixedfsdp.recipes.data.chat import BYTE_END_OF_TURN
-from lightning_mixedfsdp.recipes.run.generate import cut_at_end_of_turn
+from lightning_mixedfsdp.recipes.data.chat import BYTE_END_OF_TURN, cut_at_end_of_turn
 
 
 @pytest.mark.parametrize(

@@ -144,8 +144,11 @@ def test_too_little_data_is_refused_before_launch_with_the_fix(tmp_path: Path) -
     load_recipe(None, [f"data.files=[{', '.join(map(str, docs))}]", "data.seq_len=150"])  # enough: 906 and 302
 
 
-MAIN_JOB_EXPORT_READERS = ("stdlib_llama_sft.yaml", "stdlib_llama_distill.yaml", "stdlib_llama_dpo.yaml")
-"""Recipes that start from a run's export (the main job's, fine-tuned or the teacher; the fine-tuning job's)."""
+MAIN_JOB_EXPORT_READERS = (
+    "stdlib_llama_sft.yaml", "stdlib_llama_distill.yaml", "stdlib_llama_dpo.yaml", "comparison_grpo.yaml",
+)  # fmt: skip
+"""Recipes that start from a run's export (the main job's, fine-tuned or the teacher; the fine-tuning job's; the
+GRPO job's warm start)."""
 
 
 @pytest.mark.parametrize("recipe_file", RECIPES, ids=lambda p: p.name)

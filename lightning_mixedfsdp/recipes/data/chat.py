@@ -167,3 +167,13 @@ def conversation_problem(messages: Any) -> Optional[str]:
     if not any(message["role"] == "assistant" for message in messages):
         return "the conversation has no assistant turn, so nothing in it would be trained; add one or drop it"
     return None
+
+
+def cut_at_end_of_turn(answer: str, marker: str = BYTE_END_OF_TURN) -> str:
+    """``answer`` up to its end-of-turn marker; an answer that ran out of new tokens inside the marker ends in a
+    start of it (``<|``, ``<|en``), which is cut too."""
+    answer = answer.split(marker)[0]
+    for size in range(min(len(marker), len(answer) + 1) - 1, 0, -1):
+        if answer.endswith(marker[:size]):
+            return answer[:-size].strip()
+    return answer.strip()

@@ -92,6 +92,9 @@ class Objective(pl.LightningModule, ABC):
     """The data formats it trains on (``text``, ``chat``, ``instruction``): the recipe's data resolves to one."""
     evaluated: ClassVar[str]
     """What the held-out evaluation measures, as the console says it."""
+    untrained_key: ClassVar[str] = UNTRAINED_PPL
+    """The logged name of the held-out evaluation before training (logged at step 0 by hand): a resumed launch's
+    summary reads it back."""
 
     def __init__(self, model: ModelSection, schedule: Schedule, peft: Optional[PeftSection] = None) -> None:
         super().__init__()

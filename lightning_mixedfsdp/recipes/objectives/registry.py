@@ -6,6 +6,7 @@ import difflib
 from typing import Dict, List, Type
 
 from lightning_mixedfsdp.recipes.objectives.distillation import Distillation
+from lightning_mixedfsdp.recipes.objectives.grpo import GroupRelativePolicyOptimization
 from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM
 from lightning_mixedfsdp.recipes.objectives.objective import Objective
 from lightning_mixedfsdp.recipes.objectives.preference import PreferenceTuning
@@ -20,6 +21,7 @@ OBJECTIVES: Dict[str, Type[Objective]] = {
     "distillation": Distillation,
     "preference": PreferenceTuning,
     "vision_sft": VisionChatLM,
+    "grpo": GroupRelativePolicyOptimization,
 }
 """Every objective by the name a recipe gives it; the first that trains a data format is that format's default."""
 

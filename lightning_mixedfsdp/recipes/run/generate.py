@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from lightning_mixedfsdp.recipes.data.chat import BYTE_END_OF_TURN
+from lightning_mixedfsdp.recipes.data.chat import BYTE_END_OF_TURN, cut_at_end_of_turn
 from lightning_mixedfsdp.recipes.data.sft import ExampleMaker, read_records
 from lightning_mixedfsdp.recipes.run.hf_export import load_export
 from lightning_mixedfsdp.recipes.settings.schema import DataSection
@@ -43,13 +43,3 @@ def generate_answer(
         if int(step) in stop or BYTE_END_OF_TURN in answer:
             break
     return cut_at_end_of_turn(maker.decode(ids[0, start:].tolist(), skip_special_tokens=True))
-
-
-def cut_at_end_of_turn(answer: str, marker: str = BYTE_END_OF_TURN) -> str:
-    """``answer`` up to its end-of-turn marker; an answer that ran out of new tokens inside the marker ends in a
-    start of it (``<|``, ``<|en``), which is cut too."""
-    answer = answer.split(marker)[0]
-    for size in range(min(len(marker), len(answer) + 1) - 1, 0, -1):
-        if answer.endswith(marker[:size]):
-            return answer[:-size].strip()
-    return answer.strip()

@@ -39,7 +39,7 @@ from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
 from lightning_mixedfsdp.recipes.data.sft import template_text
 from lightning_mixedfsdp.recipes.data.text import HFTokenizer, TextCorpus
 from lightning_mixedfsdp.recipes.data.vision import VisionCorpus
-from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, build_model
+from lightning_mixedfsdp.recipes.objectives.objective import Objective, build_model
 from lightning_mixedfsdp.recipes.objectives.registry import objective_class
 from lightning_mixedfsdp.recipes.run.checkpoints import RunCheckpoints
 from lightning_mixedfsdp.recipes.run.console import keep_console, process_rank, progress_bar
@@ -161,7 +161,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     if trainer.is_global_zero:
         metrics = read_metrics(folder.logs)
         if outcome.untrained is None:  # a resumed launch: the first launch logged it
-            outcome.untrained = next(iter(metrics.get(UNTRAINED_PPL, {}).values()), None)
+            outcome.untrained = next(iter(metrics.get(module.untrained_key, {}).values()), None)
         plot_metrics(metrics, folder.plot, f"{folder.root}: {steps} steps")
     if checkpoints.stopped_at is not None:
         outcome.stopped_by = stop

@@ -311,8 +311,8 @@ def jsonl_problems(files: Sequence[Path], text_field: str) -> List[str]:
 
 def detected_format(record: Any, text_field: str) -> Optional[str]:
     """The format a ``.jsonl`` record's fields say: ``messages`` and ``images`` -> vision, ``messages`` -> chat,
-    ``prompt``, ``chosen`` and ``rejected`` -> preference, ``prompt`` and ``completion`` -> instruction, the text
-    field -> text."""
+    ``prompt``, ``chosen`` and ``rejected`` -> preference, ``prompt`` and ``completion`` -> instruction, ``prompt``
+    alone -> prompts (reinforcement learning), the text field -> text."""
     if not isinstance(record, dict):
         return None
     if "messages" in record:
@@ -321,6 +321,8 @@ def detected_format(record: Any, text_field: str) -> Optional[str]:
         return "preference"
     if "prompt" in record and "completion" in record:
         return "instruction"
+    if "prompt" in record:
+        return "prompts"
     return "text" if text_field in record else None
 
 

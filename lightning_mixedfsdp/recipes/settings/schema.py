@@ -125,11 +125,12 @@ class DataSection:
     a list of ``{role, content}``; the loss on the assistant turns), ``instruction`` (``prompt`` and
     ``completion``; the loss on the completion), ``preference`` (``prompt``, ``chosen`` and ``rejected``: text, or
     a list of messages ending with a user turn and one assistant message each; preference tuning) or ``vision``
-    (``messages`` with image parts and ``images``, trl's vision format; an image-text model). None: detected
-    from the first ``.jsonl`` line's fields (text files: ``text``). Without ``data.files``, ``chat``, ``instruction``
-    and ``preference`` train on questions about the standard library's functions answered by their docstrings (a
-    preference pair's rejected answer: the same words in reverse order); ``vision`` on generated coloured shapes
-    (``conf/shapes_vlm.yaml``)."""
+    (``messages`` with image parts and ``images``, trl's vision format; an image-text model) or ``prompts``
+    (``prompt``: text, or messages ending with a user turn, and the fields the reward reads; ``objective: grpo``).
+    None: detected from the first ``.jsonl`` line's fields (text files: ``text``). Without ``data.files``, ``chat``,
+    ``instruction`` and ``preference`` train on questions about the standard library's functions answered by their
+    docstrings (a preference pair's rejected answer: the same words in reverse order); ``vision`` on generated
+    coloured shapes (``conf/shapes_vlm.yaml``)."""
     packing: bool = True
     """Fine-tuning: pack several conversations into each row of ``seq_len`` tokens, positions restarting at each and
     attention never crossing one; False: one conversation per row, padded (labelled -100). Context parallelism
@@ -215,6 +216,45 @@ class PreferenceSection:
 
 
 @dataclass
+class RlSection:
+    reward: Any = "exact_match"
+    """The verifiable reward: ``exact_match`` (1 where the line's ``answer`` equals the completion's last word or
+    number, case-folded), ``path/to/file.py:function`` or ``package.module:function`` (called as
+    ``function(prompts, completions, records) -> list[float]``), or a list of ``{function, weight}`` summed."""
+    prompts_per_step: int = 4
+    """Prompts each rank samples completions for per optimizer step."""
+    group_size: int = 8
+    """Completions sampled per prompt; advantages are normalised within each prompt's group (2 at least)."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probs (generator's and training's) are of the logits over it."""
+    top_p: float = 1.0
+    """Nucleus sampling: tokens outside the smallest set of this probability are not drawn (1: off)."""
+    max_new_tokens: int = 32
+    """Tokens a completion may have (its end marker included)."""
+    loss: str = "grpo"
+    """``grpo`` (each completion's token mean, advantages over the group's std), ``dr_grpo`` (no std; the token sum
+    over completions x max_new_tokens) or ``dapo`` (the token mean over the step's completion tokens)."""
+    clip: float = 0.2
+    """PPO's clip: the probability ratio to the generator's is clipped below at ``1 - clip``."""
+    clip_high: Optional[float] = None
+    """The clip above, at ``1 + clip_high`` (DAPO's clip-higher, e.g. 0.28); unset: ``clip``."""
+    updates_per_rollout: int = 1
+    """Optimizer steps on each rollout (PPO epochs); new rollouts every this many steps."""
+    beta: float = 0.0
+    """Weight of a k3 KL penalty to a frozen reference; 0: no reference held."""
+    reference: Optional[str] = None
+    """With ``beta`` > 0, the reference: ``copy`` (a frozen copy of ``model.pretrained``) or ``adapters_off`` (peft:
+    the policy's base); unset: ``adapters_off`` with peft, ``copy`` without."""
+    fp32_head: bool = True
+    """Compute the output head's matmul and the logits in fp32 (its storage stays bf16): the model's output
+    embedding is added to ``strategy.dtypes.fp32_compute_modules``. False: the head computes in the bulk dtype."""
+    generation: str = "gathered"
+    """How rollouts decode: ``gathered`` (each unit all-gathered once per rollout and held until it ends: faster,
+    the whole model's params in the compute dtype on every rank) or ``sharded`` (FSDP's all-gathers at every
+    decoding step: the memory of training)."""
+
+
+@dataclass
 class OptimizerSection:
     name: str = "adamw"
     """``adamw`` (every trainable param), or ``muon``: one optimizer (``lightning_mixedfsdp.muon_with_adamw``) with
@@ -261,9 +301,10 @@ class MonitorSection:
 class Recipe:
     objective: Optional[str] = None
     """What is trained: ``language_modeling`` (text), ``sft`` (chat or instruction data), ``distillation`` (either,
-    from ``teacher.pretrained``) or ``preference`` (preference pairs: DPO or IPO against a frozen reference); unset:
-    the one the recipe asks for (a teacher: ``distillation``), else the one the data's format trains
-    (``recipes/objectives/registry.py`` lists them)."""
+    from ``teacher.pretrained``), ``preference`` (preference pairs: DPO or IPO against a frozen reference) or
+    ``grpo`` (prompts: reinforcement learning with verifiable rewards); unset: the one the recipe asks for (a
+    teacher: ``distillation``), else the one the data's format trains (``recipes/objectives/registry.py`` lists
+    them)."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     strategy: StrategySection = field(default_factory=StrategySection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -272,6 +313,7 @@ class Recipe:
     teacher: TeacherSection = field(default_factory=TeacherSection)
     distill: DistillSection = field(default_factory=DistillSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    rl: RlSection = field(default_factory=RlSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     output: OutputSection = field(default_factory=OutputSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
@@ -442,7 +484,7 @@ def validate_recipe(recipe: Recipe) -> List[str]:
     return problems  # the mesh sizes and the model under them: recipes.loader, as the strategy checks them
 
 
-FORMATS = ("text", "chat", "instruction", "preference", "vision")
+FORMATS = ("text", "chat", "instruction", "preference", "vision", "prompts")
 TOO_LONG = ("truncate", "drop", "error")
 LOGGERS = ("csv", "tensorboard", "wandb")
 

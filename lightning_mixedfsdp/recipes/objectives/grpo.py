@@ -1,0 +1,410 @@
+"""Reinforcement learning with verifiable rewards (``objective: grpo``): the policy (the recipe's ``model``) samples
+completions of its prompts, a reward scores them, and GRPO's loss (or Dr. GRPO's, or DAPO's) moves it toward the
+better ones of each prompt's group.
+
+Each optimizer step, each rank takes ``rl.prompts_per_step`` prompts of its own and samples ``rl.group_size``
+completions of each from the current policy (``rl/rollouts.py``), keeping the sampling log-prob of every token. The
+reward (``rl/rewards.py``) scores the decoded completions; the loss (``rl/losses.py``) is PPO's clipped ratio of the
+training forward's log-probs to the generator's, ``rl.updates_per_rollout`` optimizer steps on each rollout, plus
+``rl.beta`` times a k3 KL to a frozen reference (``copy`` or ``adapters_off``, as preference tuning holds them).
+
+Precision: generator and trainer compute the same tokens' probabilities with different kernels (a KV cache one
+token at a time, one forward over the sequence), and the importance ratio amplifies their difference. With
+``rl.fp32_head`` (the default) the output head is in ``dtypes.fp32_compute_modules``: stored and sharded in bf16,
+its matmul and the logits in fp32 in both places, a tied embedding untouched. ``logprob_mismatch`` logs the
+difference: the mean over completion tokens of ``|exp(train - generator) - 1|``, from the first training forward
+on each rollout.
+
+Rollouts decode on the sharded model (``rl.generation``): ``gathered`` all-gathers each unit once per rollout and
+holds the whole model for its length (``apply/gathered.py``); ``sharded`` keeps FSDP's per-forward all-gathers, and
+every rank then runs as many decoding steps as the longest (a flag all-reduced each step). Either way ranks whose
+completions differ in length stay in step.
+
+Held out: greedy completions of the held-out prompts, their mean reward (``val_reward``) before training and at each
+evaluation; the run ends with ``held-out reward: A before -> B after N steps``. A resume regenerates the rollout of
+the step it resumes at from the restored weights and the step's seed, so with ``updates_per_rollout`` 1 it repeats
+the straight run; inside a rollout's updates it samples afresh."""
+
+import math
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any, ClassVar, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_mixedfsdp.apply.gathered import gathered_params
+from lightning_mixedfsdp.checkpoint.load import load_full_weights
+from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.recipes.data.chat import cut_at_end_of_turn
+from lightning_mixedfsdp.recipes.data.prompts import PROMPTS, Prompt, PromptCorpus, prompts_problems
+from lightning_mixedfsdp.recipes.data.text import TextCorpus
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
+from lightning_mixedfsdp.recipes.objectives.frozen import (
+    composition_problems,
+    frozen_model,
+    frozen_model_needs,
+    leave_out_of_checkpoints,
+)
+from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss, build_model
+from lightning_mixedfsdp.recipes.rl.losses import LOSSES, grpo_loss
+from lightning_mixedfsdp.recipes.rl.rewards import EXACT_MATCH, load_rewards, reward_problems, reward_specs, scored
+from lightning_mixedfsdp.recipes.rl.rollouts import (
+    Rollout,
+    Sampling,
+    completion_log_probs,
+    completions_text,
+    log_prob_mismatch,
+    sample,
+)
+from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe, RlSection
+
+REFERENCE = "reference"
+COPY, ADAPTERS_OFF = "copy", "adapters_off"
+GENERATIONS = ("gathered", "sharded")
+UNTRAINED_REWARD = "untrained_reward"
+
+
+def rl_reference_kind(settings: RlSection, peft_enabled: bool) -> Optional[str]:
+    """The reference the KL needs: None without one (``beta`` 0), else ``rl.reference`` or its default."""
+    if not settings.beta:
+        return None
+    if settings.reference is not None:
+        return settings.reference
+    return ADAPTERS_OFF if peft_enabled else COPY
+
+
+def output_head_name(model: ModelSection) -> str:
+    """The qualified name of the model's output embedding (``get_output_embeddings()``; the reference model's
+    ``output``), from the model built on the meta device."""
+    with torch.device("meta"):
+        built = build_model(model, PeftSection())
+    if isinstance(built, TinyLlama):
+        return "output"
+    head = built.get_output_embeddings()  # type: ignore[operator]
+    return next(name for name, module in built.named_modules() if module is head)
+
+
+def needed_fields(settings: RlSection) -> Tuple[str, ...]:
+    """The fields every prompt line must hold for the reward."""
+    return ("answer",) if any(spec == EXACT_MATCH for spec, _ in reward_specs(settings.reward)) else ()
+
+
+class GroupRelativePolicyOptimization(Objective):
+    """The policy, its optional reference, and the rollout in use (see the module's docstring)."""
+
+    formats: ClassVar[Tuple[str, ...]] = (PROMPTS,)
+    evaluated = "held-out reward"
+    untrained_key = UNTRAINED_REWARD
+
+    def __init__(
+        self,
+        model: ModelSection,
+        schedule: Schedule,
+        peft: Optional[PeftSection] = None,
+        rl: Optional[RlSection] = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(model, schedule, peft)
+        self.rl = rl or RlSection()
+        self.seed = seed
+        self.rewards = load_rewards(self.rl.reward)
+        self.reference_kind = rl_reference_kind(self.rl, self.peft.enabled)
+        self.reference: Optional[nn.Module] = None
+        if self.model is not None and self.reference_kind == COPY:
+            self.reference = frozen_model(self._starting_weights)
+        self.rollout: Optional[Rollout] = None
+        self.rollout_index = -1
+        """The rollout in use: the one sampled at step ``rollout_index * updates_per_rollout``."""
+        self.rollout_rewards: Optional[Tensor] = None
+        self.first_update = False
+        self.held_out_reward = MeanMetric()
+        leave_out_of_checkpoints(self, REFERENCE)
+
+    @property
+    def _starting_weights(self) -> str:
+        assert self.model_section.pretrained is not None  # checked before launch
+        return self.model_section.pretrained
+
+    # -- what a batch holds
+
+    @override
+    @classmethod
+    def data(cls, recipe: Recipe) -> TextCorpus:
+        data = replace(recipe.data, batch_size=recipe.rl.prompts_per_step)
+        return PromptCorpus(data, recipe.trainer.seed, recipe.trainer.max_steps, needed_fields(recipe.rl))
+
+    @override
+    @classmethod
+    def data_problems(cls, recipe: Recipe, ranks: int) -> List[str]:
+        return prompts_problems(recipe.data, ranks, needed_fields(recipe.rl), recipe.rl.max_new_tokens)
+
+    @override
+    @classmethod
+    def recipe_problems(cls, recipe: Recipe) -> List[str]:
+        return grpo_problems(recipe)
+
+    @override
+    @classmethod
+    def other_models(cls, recipe: Recipe) -> Dict[str, nn.Module]:
+        if rl_reference_kind(recipe.rl, recipe.peft.enabled) != COPY:
+            return {}
+        assert recipe.model.pretrained is not None  # checked before launch
+        return {REFERENCE: frozen_model(recipe.model.pretrained)}
+
+    @override
+    @classmethod
+    def strategy_needs(cls, recipe: Recipe, config: MixedFSDPConfig) -> None:
+        if recipe.rl.fp32_head:
+            head = f"^{output_head_name(recipe.model).replace('.', '[.]')}$"
+            config.dtypes.fp32_compute_modules = [*config.dtypes.fp32_compute_modules, head]
+        if rl_reference_kind(recipe.rl, recipe.peft.enabled) == COPY and recipe.model.pretrained is not None:
+            frozen_model_needs(config, recipe.model.pretrained, "none", "none")
+
+    @override
+    @classmethod
+    def recipe_settings(cls, recipe: Recipe) -> Dict[str, Any]:
+        return {"rl": recipe.rl, "seed": recipe.trainer.seed}
+
+    # -- the models
+
+    @override
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.reference is None and self.reference_kind == COPY:
+            self.reference = frozen_model(self._starting_weights)
+
+    @override
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.reference_kind == COPY:
+            assert self.reference is not None
+            load_full_weights(self.reference, self._starting_weights)
+
+    # -- rollouts
+
+    def _corpus(self) -> PromptCorpus:
+        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]
+        assert isinstance(datamodule, PromptCorpus)
+        return datamodule
+
+    def _vocab(self) -> int:
+        """The tokenizer's ids: what is sampled and scored (a wider embedding's extra rows never)."""
+        return int(self._corpus().tokenizer.vocab_size)
+
+    def _generation(self) -> ContextManager[None]:
+        assert self.model is not None
+        return gathered_params(self, self.model) if self.rl.generation == "gathered" else nullcontext()
+
+    def _all_ended(self, mine: bool) -> bool:
+        flag = torch.tensor([0 if mine else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+    def complete(self, prompts: List[Prompt], sampling: Sampling, generator: Optional[torch.Generator]) -> Rollout:
+        """Completions of ``prompts`` (each repeated as the caller wants it) from the current policy."""
+        assert self.model is not None
+        maker = self._corpus().maker
+        sharded = self.rl.generation == "sharded" and dist.is_available() and dist.is_initialized()
+        with self._generation():
+            return sample(
+                self.model,
+                [p.ids for p in prompts],
+                sampling,
+                maker.end,
+                maker.pad,
+                generator,
+                self._all_ended if sharded else None,
+                self._vocab(),
+            )
+
+    def score(self, prompts: List[Prompt], rollout: Rollout) -> Tuple[Tensor, Dict[str, float]]:
+        """The rewards of ``rollout``'s completions and each reward function's mean. A reward that fails on one rank
+        raises on every rank (the others would wait in the next collective)."""
+        maker = self._corpus().maker
+        texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
+        failure: Optional[Exception] = None
+        total: List[float] = [0.0] * len(texts)
+        each: Dict[str, List[float]] = {}
+        try:
+            total, each = scored(self.rewards, [p.text for p in prompts], texts, [p.record for p in prompts])
+        except Exception as error:  # raised below, on every rank
+            failure = error
+        if dist.is_available() and dist.is_initialized():
+            failed = torch.tensor([failure is not None], dtype=torch.int32, device=self.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failure is None and failed.item():
+                raise RuntimeError(
+                    "GroupRelativePolicyOptimization: the reward failed on another rank (its error there)"
+                )
+        if failure is not None:
+            raise failure
+        means = {name: sum(values) / len(values) for name, values in each.items()}
+        return torch.tensor(total, device=self.device), means
+
+    def _rollout_for(self, batch: List[Prompt]) -> None:
+        """The step's rollout: sampled anew at every ``updates_per_rollout``-th step (and at a resume), scored."""
+        index = self.global_step // self.rl.updates_per_rollout
+        if index == self.rollout_index and self.rollout is not None:
+            self.first_update = False
+            return
+        settings = self.rl
+        rank = int(self.trainer.strategy.distributed_sampler_kwargs["rank"])  # type: ignore[attr-defined]
+        generator = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + index * 7919 + rank)
+        prompts = [prompt for prompt in batch for _ in range(settings.group_size)]
+        sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
+        rollout = self.complete(prompts, sampling, generator)
+        rewards, means = self.score(prompts, rollout)
+        self.rollout, self.rollout_rewards, self.rollout_index, self.first_update = rollout, rewards, index, True
+        self.log("train_reward", rewards.mean(), prog_bar=True, sync_dist=True)
+        for name, mean in means.items():
+            self.log(f"train_reward_{name}", mean, sync_dist=True)
+        self.log("completion_length", rollout.completion_lengths.float().mean(), sync_dist=True)
+
+    # -- the loss
+
+    def reference_log_probs(self, rollout: Rollout) -> Optional[Tensor]:
+        if self.reference_kind is None:
+            return None
+        temperature = self.rl.temperature
+        with torch.no_grad():
+            if self.reference_kind == ADAPTERS_OFF:
+                assert self.model is not None
+                with self.model.disable_adapter():  # type: ignore[operator]  # a PeftModel (checked before launch)
+                    return completion_log_probs(self.model, rollout, temperature, self._vocab())
+            assert self.reference is not None
+            return completion_log_probs(self.reference, rollout, temperature, self._vocab())
+
+    @override
+    def training_loss(self, batch: List[Prompt]) -> TrainingLoss:
+        assert self.model is not None
+        self._rollout_for(batch)
+        rollout, rewards, settings = self.rollout, self.rollout_rewards, self.rl
+        assert rollout is not None and rewards is not None
+        log_probs = completion_log_probs(self.model, rollout, settings.temperature, self._vocab())
+        mask = rollout.completion_mask
+        if self.first_update:
+            mismatch = log_prob_mismatch(log_probs.detach(), rollout.generator_log_probs, mask)
+            self.log("logprob_mismatch", mismatch, sync_dist=True)
+        all_tokens, ranks = None, self.data_parallel_ranks()
+        if settings.loss == "dapo" and dist.is_available() and dist.is_initialized():
+            all_tokens = mask.sum().float()
+            dist.all_reduce(all_tokens)
+        parts = grpo_loss(
+            log_probs,
+            rollout.generator_log_probs,
+            mask,
+            rewards,
+            settings.group_size,
+            settings.loss,
+            settings.clip,
+            settings.clip_high if settings.clip_high is not None else settings.clip,
+            settings.max_new_tokens,
+            settings.beta,
+            self.reference_log_probs(rollout),
+            all_tokens,
+            ranks if all_tokens is not None else 1,
+        )
+        self.log("clip_fraction", parts.clip_fraction, sync_dist=True)
+        if self.reference_kind is not None:
+            self.log("kl", parts.kl, sync_dist=True)
+        return TrainingLoss(parts.loss, parts.loss.detach())
+
+    # -- what is evaluated
+
+    @override
+    def evaluate(self, batch: List[Prompt]) -> None:
+        rollout = self.complete(batch, Sampling(self.rl.max_new_tokens, temperature=0.0), None)
+        rewards, _ = self.score(batch, rollout)
+        self.held_out_reward.update(rewards.float())
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        value = float(self.held_out_reward.compute().item())
+        self.held_out_reward.reset()
+        when = "untrained" if self.trainer.sanity_checking else f"step {self.global_step}"
+        self.evaluations[when] = value
+        rank_zero_info(f"{self.evaluated} ({when}): {value:.3f} (greedy completions of the held-out prompts)")
+        if not self.trainer.sanity_checking:
+            self.log("val_reward", value, prog_bar=True, sync_dist=True)  # equal on all ranks already
+        elif self.logger is not None:
+            self.logger.log_metrics({UNTRAINED_REWARD: value}, step=0)
+
+    @override
+    @classmethod
+    def summary(cls, untrained: Optional[float], trained: Optional[float], steps: int, pretrained: bool) -> str:
+        first = f"{untrained:.3f} before" if untrained is not None else "not evaluated before"
+        finish = f"{trained:.3f}" if trained is not None else "not evaluated"
+        return f"{cls.evaluated}: {first} -> {finish} after {steps} steps"
+
+
+def grpo_problems(recipe: Recipe) -> List[str]:
+    """What GRPO needs of the recipe, all at once, each with its fix."""
+    settings = recipe.rl
+    problems = reward_problems(settings.reward)
+    if settings.group_size < 2:
+        problems.append(
+            f"rl.group_size={settings.group_size}: advantages compare each completion with the others of its prompt's"
+            " group, so a group needs 2 completions at least; set rl.group_size to 2 or more (8 is common)"
+        )
+    for name, value, minimum in (
+        ("prompts_per_step", settings.prompts_per_step, 1),
+        ("max_new_tokens", settings.max_new_tokens, 1),
+        ("updates_per_rollout", settings.updates_per_rollout, 1),
+    ):
+        if value < minimum:
+            problems.append(f"rl.{name}={value} must be at least {minimum}")
+    if not (settings.temperature > 0 and math.isfinite(settings.temperature)):
+        problems.append(
+            f"rl.temperature={settings.temperature} must be > 0 (sampling; 1.0 samples the policy as it is)"
+        )
+    if not 0 < settings.top_p <= 1:
+        problems.append(f"rl.top_p={settings.top_p} must be in (0, 1] (1: off)")
+    if settings.loss not in LOSSES:
+        problems.append(f"rl.loss={settings.loss!r}: use one of {', '.join(LOSSES)}")
+    if not settings.clip > 0:
+        problems.append(f"rl.clip={settings.clip} must be > 0, e.g. 0.2")
+    if settings.clip_high is not None and not settings.clip_high > 0:
+        problems.append(f"rl.clip_high={settings.clip_high} must be > 0 (e.g. 0.28), or unset to use rl.clip")
+    if settings.beta < 0:
+        problems.append(f"rl.beta={settings.beta} must be >= 0 (0: no reference)")
+    if settings.generation not in GENERATIONS:
+        problems.append(f"rl.generation={settings.generation!r}: use one of {', '.join(GENERATIONS)}")
+    kind = rl_reference_kind(settings, recipe.peft.enabled)
+    if settings.reference is not None and not settings.beta:
+        problems.append(
+            f"rl.reference={settings.reference!r} is the reference of the KL penalty, and rl.beta=0 holds none: set"
+            " rl.beta (e.g. 0.04), or leave rl.reference unset"
+        )
+    elif kind not in (None, COPY, ADAPTERS_OFF):
+        problems.append(f"rl.reference={kind!r}: use copy or adapters_off")
+    elif kind == ADAPTERS_OFF and not recipe.peft.enabled:
+        problems.append(
+            "rl.reference=adapters_off is the policy's base with its LoRA adapters disabled, and peft is off: set"
+            " peft.enabled=true, or use rl.reference=copy"
+        )
+    elif kind == COPY and recipe.model.pretrained is None:
+        problems.append("rl.reference=copy is a frozen copy of model.pretrained: set model.pretrained")
+    if recipe.trainer.accumulate_grad_batches != 1:
+        problems.append(
+            f"trainer.accumulate_grad_batches={recipe.trainer.accumulate_grad_batches}: a GRPO step is one rollout of"
+            " rl.prompts_per_step prompts per rank; set it to 1 and raise rl.prompts_per_step for larger steps"
+        )
+    strategy = recipe.strategy
+    problems += composition_problems(
+        "GRPO",
+        strategy.parallelism.context_parallel_size,
+        strategy.fault_tolerance is not None,
+        "rollouts decode whole sequences on each rank",
+    )
+    if strategy.parallelism.replicate_sync != "every_step":
+        problems.append(
+            f"GRPO with strategy.parallelism.replicate_sync={strategy.parallelism.replicate_sync!r} is not supported"
+            " (the replicas would sample from policies that drift apart between syncs, off the rollouts' policy);"
+            " set it to every_step"
+        )
+    return problems

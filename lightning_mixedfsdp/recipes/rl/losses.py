@@ -1,0 +1,88 @@
+"""GRPO's loss and its variants, on one rank's rollout, as plain functions of tensors.
+
+Per group (a prompt's ``group_size`` completions) the rewards ``r`` give each completion an advantage: ``grpo`` and
+``dapo`` ``(r - mean) / (std + 1e-4)`` (std unbiased, as trl), ``dr_grpo`` ``r - mean``. Per completion token, with
+``ratio = exp(log p - log p_old)`` against the generator's log-probs (the old policy), PPO's clipped surrogate
+
+    l = -min(ratio A, clip(ratio, 1 - clip, 1 + clip_high) A) + beta k3,  k3 = exp(ref - log p) - (ref - log p) - 1
+
+and the tokens' losses become the loss by ``rl.loss``:
+
+- ``grpo``: each completion's mean over its tokens, then the mean over completions;
+- ``dr_grpo``: the sum over every token over ``completions x max_new_tokens`` (a constant: no length bias);
+- ``dapo``: the sum over every token over the step's completion tokens, on all ranks (token-level mean).
+
+FSDP averages gradients over the data-parallel ranks, so each rank's loss is scaled to make the step's gradient the
+formula's over the union of the ranks' rollouts: ``grpo`` and ``dr_grpo`` need nothing (every rank holds as many
+completions), ``dapo`` divides by the tokens of all ranks (``all_tokens``) times the ranks."""
+
+from typing import Literal, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+RlLoss = Literal["grpo", "dr_grpo", "dapo"]
+LOSSES = ("grpo", "dr_grpo", "dapo")
+STD_EPSILON = 1e-4
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool) -> Tensor:
+    """Each completion's reward minus its group's mean (over its std too, with ``scale_by_std``)."""
+    groups = rewards.float().view(-1, group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    if scale_by_std:
+        centred = centred / (groups.std(-1, keepdim=True) + STD_EPSILON)
+    return centred.reshape(-1)
+
+
+class LossParts(NamedTuple):
+    loss: Tensor
+    """What backward runs on (see the module's docstring for the scaling)."""
+    clip_fraction: Tensor
+    """The share of completion tokens whose ratio was clipped where it mattered (below ``1 - clip`` with a negative
+    advantage, above ``1 + clip_high`` with a positive one)."""
+    kl: Tensor
+    """The mean k3 over completion tokens (0 without a reference)."""
+
+
+def grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    completion_mask: Tensor,
+    rewards: Tensor,
+    group_size: int,
+    kind: str,
+    clip: float,
+    clip_high: float,
+    max_new_tokens: int,
+    beta: float = 0.0,
+    reference_log_probs: Optional[Tensor] = None,
+    all_tokens: Optional[Tensor] = None,
+    ranks: int = 1,
+) -> LossParts:
+    """The loss of one rank's rollout (``[rows, len]`` per-token tensors; ``rewards`` per row)."""
+    mask = completion_mask.float()
+    advantages = group_advantages(rewards, group_size, scale_by_std=kind != "dr_grpo").unsqueeze(-1)
+    ratio = torch.exp(log_probs - old_log_probs)
+    clipped = ratio.clamp(1 - clip, 1 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    kl = torch.zeros_like(per_token)
+    if beta and reference_log_probs is not None:
+        gap = reference_log_probs - log_probs
+        kl = torch.exp(gap) - gap - 1
+        per_token = per_token + beta * kl
+    per_token = per_token * mask
+    if kind == "grpo":
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+    elif kind == "dr_grpo":
+        loss = per_token.sum() / (per_token.shape[0] * max_new_tokens)
+    else:
+        tokens = all_tokens if all_tokens is not None else mask.sum()
+        loss = per_token.sum() * ranks / tokens.clamp_min(1)
+    with torch.no_grad():
+        low = (ratio < 1 - clip) & (advantages < 0)
+        high = (ratio > 1 + clip_high) & (advantages > 0)
+        count = mask.sum().clamp_min(1)
+        clip_fraction = ((low | high).float() * mask).sum() / count
+        kl_mean = (kl.detach() * mask).sum() / count
+    return LossParts(loss, clip_fraction, kl_mean)

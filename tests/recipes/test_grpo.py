@@ -1,0 +1,508 @@
+"""Reinforcement learning with verifiable rewards (``objective: grpo``) and the fp32-compute head it trains with.
+
+One launch of 2 ranks runs: each ``rl.loss``'s loss and grads on given rollouts (tokens, generator log-probs, rewards)
+on a sharded HF Llama, against the formula written out here on one process over the union of the ranks' rollouts;
+decoding on ranks whose completions end at different lengths (gathered and sharded generation), against the unsharded
+model's greedy tokens, followed by a training step; ``dtypes.fp32_compute_modules`` on an untied and a tied head under
+bf16-true (the logits an fp32 matmul of the bf16 weight, the storage bf16 and sharded, a tied embedding's lookup
+bf16); the generator-trainer mismatch with the head in bf16 and in fp32; and the recipe through the runner: a straight
+run, and a run stopped at step 2 and resumed, whose losses repeat the straight run's. Each refusal runs here, before
+any launch."""
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mixedfsdp.recipes.rl.losses import LOSSES, grpo_loss
+from lightning_mixedfsdp.recipes.rl.rewards import exact_match, last_answer
+from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, completion_log_probs, positions_of
+from lightning_mixedfsdp.recipes.run.loader import load_recipe
+from lightning_mixedfsdp.recipes.settings.schema import RecipeError
+from tests.conftest import Launch
+from tests.recipes.second_model import make_llama_folder
+from tests.scenarios import full_grads, make_fabric
+
+WORLD = 2
+GROUP, PROMPTS_PER_RANK, LENGTH, PROMPT_LEN, MAX_NEW = 4, 2, 12, 5, 7
+CLIP, CLIP_HIGH = 0.2, 0.28
+CASES: Tuple[Tuple[str, float], ...] = (*((kind, 0.0) for kind in LOSSES), ("grpo", 0.1))
+"""Each ``rl.loss``, and GRPO with a KL to a reference (``beta`` 0.1)."""
+
+
+def _llama(vocab: int = 96, tie: bool = False, seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tie,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _rollouts() -> Dict[str, torch.Tensor]:
+    """Both ranks' rollouts, rank 0's rows first: left-padded prompts, completions of different lengths, generator
+    log-probs off the policy's (ratios away from 1, some clipped), a reference's, 0/1 rewards."""
+    generator = torch.Generator().manual_seed(7)
+    rows = WORLD * PROMPTS_PER_RANK * GROUP
+    ids = torch.randint(3, 96, (rows, LENGTH), generator=generator)
+    mask = torch.ones(rows, LENGTH, dtype=torch.long)
+    completion = torch.zeros(rows, LENGTH, dtype=torch.long)
+    for row in range(rows):
+        padding = row % 3
+        mask[row, :padding] = 0
+        ids[row, :padding] = 0
+        new = 1 + (row * 5) % MAX_NEW  # 1 to 7 completion tokens, then padding
+        completion[row, PROMPT_LEN : PROMPT_LEN + new] = 1
+        mask[row, PROMPT_LEN + new :] = 0
+    noise = (torch.rand(rows, LENGTH, generator=generator) - 0.5) * 0.8
+    rewards = torch.randint(0, 2, (rows,), generator=generator).float()
+    rewards[:GROUP] = 0.0  # a group all wrong: no advantage
+    return {"ids": ids, "mask": mask, "completion": completion, "noise": noise, "rewards": rewards}
+
+
+def _rank_rows(rank: int) -> slice:
+    per_rank = PROMPTS_PER_RANK * GROUP
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _rollout(data: Dict[str, torch.Tensor], rows: slice, old: torch.Tensor) -> Rollout:
+    return Rollout(data["ids"][rows], data["mask"][rows], data["completion"][rows], old, PROMPT_LEN)
+
+
+def _old_and_reference(model: nn.Module, data: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The generator's log-probs (the policy's plus noise) and a reference's (the policy's minus the noise) of every
+    row, from the unsharded model."""
+    with torch.no_grad():
+        exact = completion_log_probs(model, _rollout(data, slice(None), torch.zeros(1)), 1.0)
+    on = data["completion"].bool()
+    return torch.where(on, exact + data["noise"], 0 * exact), torch.where(on, exact - data["noise"], 0 * exact)
+
+
+def formula(
+    log_probs: torch.Tensor, old: torch.Tensor, reference: torch.Tensor, completion: torch.Tensor,
+    rewards: torch.Tensor, kind: str, beta: float,
+) -> torch.Tensor:  # fmt: skip
+    """GRPO's loss written out token by token: group-normalised advantages, PPO's clipped surrogate, k3 KL; per
+    completion then per batch (grpo), over completions x max_new_tokens (dr_grpo), or over every token (dapo)."""
+    rows = log_probs.shape[0]
+    per_row: List[torch.Tensor] = []
+    token_terms: List[torch.Tensor] = []
+    for first in range(0, rows, GROUP):
+        group = [float(r) for r in rewards[first : first + GROUP]]
+        mean = sum(group) / GROUP
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (GROUP - 1))
+        for row in range(first, first + GROUP):
+            advantage = group[row - first] - mean
+            if kind != "dr_grpo":
+                advantage /= std + 1e-4
+            terms = []
+            for t in range(LENGTH):
+                if completion[row, t]:
+                    ratio = torch.exp(log_probs[row, t] - old[row, t])
+                    clipped = ratio.clamp(1 - CLIP, 1 + CLIP_HIGH)
+                    term = -torch.minimum(ratio * advantage, clipped * advantage)
+                    gap = reference[row, t] - log_probs[row, t]
+                    terms.append(term + beta * (torch.exp(gap) - gap - 1))
+            token_terms += terms
+            per_row.append(torch.stack(terms).sum() / len(terms))
+    if kind == "grpo":
+        return torch.stack(per_row).mean()
+    if kind == "dr_grpo":
+        return torch.stack(token_terms).sum() / (rows * MAX_NEW)
+    return torch.stack(token_terms).sum() / len(token_terms)
+
+
+# -- what each rank runs
+
+
+def _losses_on_given_rollouts(rank: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    data = _rollouts()
+    old, reference = _old_and_reference(_llama(), data)
+    fabric = make_fabric(WORLD)
+    model = fabric.setup_module(_llama())
+    out: Dict[str, Any] = {}
+    rows = _rank_rows(rank)
+    for kind, beta in CASES:
+        rollout = _rollout(data, rows, old[rows])
+        log_probs = completion_log_probs(model, rollout, 1.0)
+        tokens = rollout.completion_mask.sum().float()
+        dist.all_reduce(tokens)
+        parts = grpo_loss(
+            log_probs, rollout.generator_log_probs, rollout.completion_mask, data["rewards"][rows], GROUP, kind,
+            CLIP, CLIP_HIGH, MAX_NEW, beta, reference[rows], tokens if kind == "dapo" else None, WORLD,
+        )  # fmt: skip
+        fabric.backward(parts.loss)
+        out[f"{kind} {beta}"] = {"grads": full_grads(model), "clip_fraction": parts.clip_fraction.item()}
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _greedy_prompts(model: nn.Module, end_after: int) -> Tuple[List[List[int]], int]:
+    """Two prompts and an end token such that greedy decoding ends the first at its first token and never the
+    second (within ``end_after`` tokens), found on the unsharded model."""
+    from lightning_mixedfsdp.recipes.rl.rollouts import Sampling, sample
+
+    candidates = [[5 + i, 17, 30 + 2 * i, 9] for i in range(12)]
+    first = sample(model, candidates[:1], Sampling(1, 0.0), [], 0)
+    end = int(first.input_ids[0, -1])
+    for prompt in candidates[1:]:
+        other = sample(model, [prompt], Sampling(end_after, 0.0), [], 0)
+        if end not in other.input_ids[0, len(prompt) :].tolist():
+            return [candidates[0], prompt], end
+    raise AssertionError("no prompt decodes without the end token")
+
+
+def _different_lengths(rank: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_mixedfsdp.apply.gathered import gathered_params
+    from lightning_mixedfsdp.recipes.rl.rollouts import Sampling, sample
+
+    plain = _llama(seed=1)
+    prompts, end = _greedy_prompts(plain, MAX_NEW)
+    expected = sample(plain, [prompts[rank]], Sampling(MAX_NEW, 0.0), [end], 0)
+    fabric = make_fabric(WORLD)
+    model = fabric.setup_module(_llama(seed=1))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def all_ended(mine: bool) -> bool:
+        flag = torch.tensor([0 if mine else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) == 0
+
+    out: Dict[str, Any] = {"expected": expected.input_ids}
+    with gathered_params(model, model):
+        out["gathered"] = sample(model, [prompts[rank]], Sampling(MAX_NEW, 0.0), [end], 0).input_ids
+    out["sharded"] = sample(model, [prompts[rank]], Sampling(MAX_NEW, 0.0), [end], 0, None, all_ended).input_ids
+    loss = model(input_ids=out["sharded"]).logits.float().mean()  # a step after: the collectives still pair up
+    fabric.backward(loss)
+    optimizer.step()
+    out["stepped"] = True
+    return out
+
+
+def _head_hooks(seen: Dict[str, Any]) -> Tuple[Any, Any]:
+    """Forward hooks that record, in ``seen``, the head's gathered weight, input and logits, and the embedding's
+    output."""
+
+    def head_hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        weight, hidden = module.weight, inputs[0]
+        seen.update(weight_dtype=weight.dtype, input_dtype=hidden.dtype, logits_dtype=output.dtype)
+        seen["equal"] = torch.equal(output, F.linear(hidden.float(), weight.float()))
+
+    def embed_hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+        seen["embedding_output"] = output.dtype
+
+    return head_hook, embed_hook
+
+
+def _fp32_head(rank: int) -> Dict[str, Any]:
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    out: Dict[str, Any] = {}
+    for tie in (False, True):
+        fabric = make_fabric(WORLD, "bf16-true", strategy=MixedFSDP2Strategy(fp32_compute_modules=["^lm_head$"]))
+        model = fabric.setup_module(_llama(tie=tie))
+        seen: Dict[str, Any] = {}
+        head_hook, embed_hook = _head_hooks(seen)
+        inner = model.module
+        handles = [
+            inner.lm_head.register_forward_hook(head_hook),
+            inner.model.embed_tokens.register_forward_hook(embed_hook),
+        ]
+        logits = model(input_ids=torch.randint(0, 96, (2, 9))).logits
+        logits.float().logsumexp(-1).mean().backward()
+        for handle in handles:
+            handle.remove()
+        weight = inner.lm_head.weight
+        seen.update(
+            storage=weight.dtype, local_rows=weight.to_local().shape[0], rows=weight.shape[0],
+            tied=weight is inner.model.embed_tokens.weight, embedding_storage=inner.model.embed_tokens.weight.dtype,
+            grad=None if weight.grad is None else weight.grad.dtype, logits=logits.dtype,
+        )  # fmt: skip
+        out["tied" if tie else "untied"] = seen
+    return out
+
+
+def _peaked_llama(steps: int = 100) -> Dict[str, torch.Tensor]:
+    """A tiny Llama (vocab 600) trained until its next-token distributions are peaked, as a policy's are: on a random
+    init both heads give the same mismatch (logits near 0 round alike in bf16; measured 1.00x), after 100 steps of
+    sequences ``x -> 7x + 13 + noise`` the fp32 head's is 0.38x of the bf16 head's (one process)."""
+    torch.manual_seed(0)
+    model = _llama(vocab=600, seed=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens = [torch.randint(0, 600, (16, 1), generator=generator)]
+        for _ in range(31):
+            tokens.append((tokens[-1] * 7 + 13 + torch.randint(0, 3, (16, 1), generator=generator)) % 600)
+        ids = torch.cat(tokens, 1)
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _mismatch(rank: int) -> Dict[str, float]:
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+    from lightning_mixedfsdp.recipes.rl.rollouts import Sampling, log_prob_mismatch, sample
+
+    out = {}
+    trained = _peaked_llama()
+    prompts = [[(7 * p + 3 * rank + i) % 600 for i in range(6)] for p in range(8) for _ in range(4)]
+    for name, head in (("bf16", []), ("fp32", ["^lm_head$"])):
+        fabric = make_fabric(WORLD, "bf16-true", strategy=MixedFSDP2Strategy(fp32_compute_modules=head))
+        policy = _llama(vocab=600, seed=2)
+        policy.load_state_dict(trained)
+        model = fabric.setup_module(policy)
+        generator = torch.Generator().manual_seed(11 + rank)
+        rollout = sample(model, prompts, Sampling(24, 1.0), [], 0, generator)
+        with torch.no_grad():
+            train = completion_log_probs(model, rollout, 1.0)
+        out[name] = log_prob_mismatch(train, rollout.generator_log_probs, rollout.completion_mask).item()
+    return out
+
+
+def _runner(folder: Path, policy: str, prompts: str, steps: int, output: str, checkpoint: Any = None) -> List[float]:
+    from lightning_mixedfsdp.recipes.run import runner
+    from lightning_mixedfsdp.recipes.run.plot import read_metrics
+
+    recipe = load_recipe(None, _recipe(policy, prompts, str(folder / output), steps), launching=False)
+    runner.run(recipe, checkpoint)
+    losses = read_metrics(folder / output / "logs").get("train_loss", {})
+    return [losses[step] for step in sorted(losses)]
+
+
+def _resume(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
+    where = Path(folder)
+    straight = _runner(where, policy, prompts, 4, "straight")
+    resumed = _runner(where, policy, prompts, 4, "resumed", where / "straight" / "checkpoints" / "step=2.ckpt")
+    return {"straight": straight, "resumed": resumed}
+
+
+def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
+    policy, prompts = str(Path(inputs) / "policy"), str(Path(inputs) / "prompts.jsonl")
+    return {
+        "losses": _losses_on_given_rollouts(rank),
+        "lengths": _different_lengths(rank),
+        "fp32_head": _fp32_head(rank),
+        "mismatch": _mismatch(rank),
+        "resume": _resume(rank, folder, policy, prompts),
+    }
+
+
+LAUNCH = Launch(_scenarios, WORLD, timeout=600, fixtures=("inputs",))
+
+
+# -- the inputs
+
+
+def _prompt_lines(count: int = 60) -> List[Dict[str, Any]]:
+    return [{"prompt": f"Which is larger, {i % 9 + 1} or {(i * 4) % 9 + 1}?", "answer": str(i)} for i in range(count)]
+
+
+def _write_lines(path: Path, lines: List[Any]) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def _recipe(policy: str, prompts: str, output: str, steps: int, devices: int = WORLD) -> List[str]:
+    return [
+        "objective=grpo", "trainer.accelerator=cpu", f"trainer.devices={devices}", f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "trainer.checkpoint_every_n_steps=2",
+        "trainer.precision=bf16-true", f"model.pretrained={policy}", f"data.files=[{prompts}]", "data.seq_len=64",
+        "data.held_out_every=10", "data.val_windows=2", "rl.prompts_per_step=2", "rl.group_size=4",
+        "rl.max_new_tokens=6", "optimizer.lr=0.01", "optimizer.warmup_steps=1", f"output.dir={output}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("grpo_inputs")
+    make_llama_folder(folder / "policy")
+    _write_lines(folder / "prompts.jsonl", _prompt_lines())
+    return folder
+
+
+# -- the loss
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{kind}-beta{beta}" for kind, beta in CASES])
+def test_each_loss_and_its_grads_on_two_ranks_equal_the_formula_on_one_process(results: list, case: Any) -> None:
+    kind, beta = case
+    data = _rollouts()
+    old, reference = _old_and_reference(_llama(), data)
+    model = _llama()
+    log_probs = completion_log_probs(model, _rollout(data, slice(None), old), 1.0)
+    expected = formula(log_probs, old, reference, data["completion"], data["rewards"], kind, beta)
+    expected.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    got = results[0]["losses"][f"{kind} {beta}"]["grads"]
+    assert got.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    assert any(results[rank]["losses"][f"{kind} {beta}"]["clip_fraction"] > 0 for rank in range(WORLD))
+
+
+def test_one_rank_loss_equals_the_formula_on_its_rollout() -> None:
+    data = _rollouts()
+    old, reference = _old_and_reference(_llama(), data)
+    rows = _rank_rows(1)
+    log_probs = completion_log_probs(_llama(), _rollout(data, rows, old[rows]), 1.0)
+    completion, rewards = data["completion"][rows], data["rewards"][rows]
+    for kind, beta in CASES:
+        got = grpo_loss(log_probs, old[rows], completion, rewards, GROUP, kind, CLIP, CLIP_HIGH, MAX_NEW, beta,
+                        reference[rows]).loss  # fmt: skip
+        expected = formula(log_probs, old[rows], reference[rows], completion, rewards, kind, beta)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+# -- rollouts
+
+
+def test_ranks_whose_completions_end_at_different_lengths_decode_the_greedy_tokens_and_step(results: list) -> None:
+    lengths = []
+    for rank in range(WORLD):
+        seen = results[rank]["lengths"]
+        expected = seen["expected"]
+        assert torch.equal(seen["gathered"], expected)  # no collective per token: each rank stops at its own end
+        length = expected.shape[1]
+        sharded = seen["sharded"]  # decoded as long as the longest rank, padded past its end
+        assert torch.equal(sharded[:, :length], expected) and not sharded[:, length:].any()
+        assert seen["stepped"]
+        lengths.append(length)
+    assert lengths == [4 + 1, 4 + MAX_NEW]  # one ended at its first token, the other ran to the limit
+
+
+def test_positions_of_left_padded_rows_start_at_their_first_token() -> None:
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert positions_of(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+# -- the head in fp32
+
+
+@pytest.mark.parametrize("tie", ["untied", "tied"])
+def test_an_fp32_compute_head_multiplies_in_fp32_and_stays_stored_bf16_and_sharded(results: list, tie: str) -> None:
+    for rank in range(WORLD):
+        seen = results[rank]["fp32_head"][tie]
+        assert seen["equal"]  # the logits are the fp32 matmul of the gathered bf16 weight and the upcast input
+        assert (seen["weight_dtype"], seen["input_dtype"]) == (torch.bfloat16, torch.bfloat16)
+        assert seen["logits_dtype"] == seen["logits"] == torch.float32
+        assert seen["storage"] == torch.bfloat16 and seen["grad"] == torch.bfloat16
+        assert seen["local_rows"] == seen["rows"] // WORLD  # sharded as the root group is
+        assert seen["embedding_storage"] == seen["embedding_output"] == torch.bfloat16
+        assert seen["tied"] == (tie == "tied")
+
+
+def test_the_fp32_head_cuts_the_generator_trainer_mismatch_to_at_most_0_6x(results: list) -> None:
+    for rank in range(WORLD):
+        mismatch = results[rank]["mismatch"]
+        assert 0 < mismatch["fp32"] <= 0.6 * mismatch["bf16"], mismatch
+
+
+def test_the_dtype_report_shows_the_head_computing_in_fp32() -> None:
+    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp.planning.planner import plan_sharding
+    from lightning_mixedfsdp.planning.report import format_plan
+
+    report = format_plan(plan_sharding(_llama(), MixedFSDPConfig(fp32_compute_modules=["^lm_head$"]), "bf16-true"))
+    assert "compute fp32 (fp32_compute_modules)" in report
+    assert any(line.startswith("lm_head.weight") and " bf16->fp32 " in line for line in report.splitlines())
+
+
+def test_fp32_compute_of_a_module_that_is_not_a_linear_is_refused() -> None:
+    from lightning_mixedfsdp import MixedFSDPConfig
+    from lightning_mixedfsdp.planning.fp32_compute import Fp32ComputeError
+    from lightning_mixedfsdp.planning.planner import plan_sharding
+
+    expected = r"'\^model.norm\$' matches 'model.norm' \(LlamaRMSNorm\)\. Anchor the regex to the head's name"
+    with pytest.raises(Fp32ComputeError, match=expected):
+        plan_sharding(_llama(), MixedFSDPConfig(fp32_compute_modules=["^model.norm$"]), "bf16-true")
+
+
+# -- the recipe
+
+
+def test_a_resume_repeats_the_straight_runs_losses(results: list) -> None:
+    for rank in range(WORLD):
+        seen = results[rank]["resume"]
+        assert len(seen["straight"]) == 4 and len(seen["resumed"]) == 2
+        assert seen["resumed"] == pytest.approx(seen["straight"][2:], rel=1e-6, abs=1e-7)
+
+
+def test_exact_match_takes_the_completions_last_word_or_number_case_folded() -> None:
+    assert last_answer("so the answer is 12.") == "12" and last_answer("...") is None
+    records = [{"answer": 12}, {"answer": "Blue"}, {"answer": "3"}]
+    assert exact_match([], ["It is 12", "the sky is BLUE!", "3 or 4"], records) == [1.0, 1.0, 0.0]
+
+
+def _refusal(inputs: Path, *extra: str, prompts: Any = None) -> str:
+    prompts = prompts or inputs / "prompts.jsonl"
+    with pytest.raises(RecipeError) as error:
+        load_recipe(None, [*_recipe(str(inputs / "policy"), str(prompts), str(inputs / "out"), 4), *extra])
+    return str(error.value)
+
+
+def test_bad_prompt_lines_are_named_by_file_and_line_all_at_once(inputs: Path) -> None:
+    lines: List[Any] = list(_prompt_lines(30))
+    lines[2] = {"question": "q", "answer": "1"}
+    lines[4] = {"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "1"}
+    lines[6] = {"prompt": "What is 1 + 1?"}
+    lines[8] = {"prompt": "q", "answer": "1", "images": ["cat.png"]}
+    path = _write_lines(inputs / "bad.jsonl", lines)
+    message = _refusal(inputs, "data.format=prompts", prompts=path)
+    assert f"data: {path}:3 has the fields ['answer', 'question'], and a prompts line needs 'prompt'" in message
+    assert f"data: {path}:5 'prompt' ends with a assistant turn; the policy writes the next assistant turn" in message
+    assert f"data: {path}:7 has no 'answer' field, which the reward (rl.reward) reads; add it" in message
+    assert f"data: {path}:9 holds 'images': reinforcement learning takes text prompts only" in message
+
+
+def test_a_reward_that_does_not_exist_or_takes_other_arguments_is_refused(inputs: Path) -> None:
+    (inputs / "rewards.py").write_text("def two(prompts, completions):\n    return [0.0] * len(completions)\n")
+    message = _refusal(inputs, f"rl.reward=[{inputs}/missing.py:score,{inputs}/rewards.py:two,json:nothing]")
+    assert f"rl.reward '{inputs}/missing.py:score': {inputs}/missing.py does not exist" in message
+    assert "rewards.py:two': two must take three arguments (prompts, completions, records)" in message
+    assert "rl.reward 'json:nothing': json has no function 'nothing'" in message
+
+
+def test_a_group_of_one_and_other_bad_rl_settings_are_refused_all_at_once(inputs: Path) -> None:
+    message = _refusal(
+        inputs, "rl.group_size=1", "rl.loss=ppo", "rl.top_p=0", "rl.temperature=0", "rl.generation=vllm",
+        "rl.reference=copy", "trainer.accumulate_grad_batches=2",
+    )  # fmt: skip
+    assert "rl.group_size=1: advantages compare each completion with the others" in message
+    assert "rl.loss='ppo': use one of grpo, dr_grpo, dapo" in message
+    assert "rl.top_p=0.0 must be in (0, 1]" in message
+    assert "rl.temperature=0.0 must be > 0" in message
+    assert "rl.generation='vllm': use one of gathered, sharded" in message
+    assert "rl.reference='copy' is the reference of the KL penalty, and rl.beta=0 holds none" in message
+    assert "trainer.accumulate_grad_batches=2: a GRPO step is one rollout" in message
+
+
+def test_adapters_off_without_peft_is_refused(inputs: Path) -> None:
+    message = _refusal(inputs, "rl.beta=0.04", "rl.reference=adapters_off")
+    assert "rl.reference=adapters_off is the policy's base with its LoRA adapters disabled, and peft is off" in message
+
+
+def test_context_parallel_fault_tolerant_and_semi_synchronous_runs_are_refused(inputs: Path) -> None:
+    assert "GRPO with strategy.parallelism.context_parallel_size=2 is not supported yet" in _refusal(
+        inputs, "strategy.parallelism.context_parallel_size=2"
+    )
+    assert "GRPO with strategy.fault_tolerance is not supported yet" in _refusal(
+        inputs, "strategy.fault_tolerance.num_replica_groups=2", "strategy.fault_tolerance.replica_id=0"
+    )
+    semi_sync = _refusal(
+        inputs, "trainer.devices=4", "strategy.parallelism.data_parallel_replicate_size=2",
+        "strategy.parallelism.replicate_sync=local_sgd",
+    )  # fmt: skip
+    assert "GRPO with strategy.parallelism.replicate_sync='local_sgd' is not supported" in semi_sync
