@@ -272,21 +272,34 @@ def _mismatch(rank: int) -> Dict[str, float]:
     return out
 
 
-def _runner(folder: Path, policy: str, prompts: str, steps: int, output: str, checkpoint: Any = None) -> List[float]:
+def _runner(
+    folder: Path, policy: str, prompts: str, steps: int, output: str, checkpoint: Any = None, extra: Any = ()
+) -> Dict[str, List[float]]:
     from lightning_mixedfsdp.recipes.run import runner
     from lightning_mixedfsdp.recipes.run.plot import read_metrics
 
-    recipe = load_recipe(None, _recipe(policy, prompts, str(folder / output), steps), launching=False)
-    runner.run(recipe, checkpoint)
-    losses = read_metrics(folder / output / "logs").get("train_loss", {})
-    return [losses[step] for step in sorted(losses)]
+    recipe_overrides = [*_recipe(policy, prompts, str(folder / output), steps), *extra]
+    runner.run(load_recipe(None, recipe_overrides, launching=False), checkpoint)
+    metrics = read_metrics(folder / output / "logs")
+    return {name: [values[step] for step in sorted(values)] for name, values in metrics.items()}
 
 
 def _resume(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
+    """A straight run and one resumed from its step 2, both with a copied reference (``rl.beta``); LoRA with the
+    adapters-off reference, activation checkpointing, the precision monitor and stochastic bf16 updates."""
     where = Path(folder)
-    straight = _runner(where, policy, prompts, 4, "straight")
-    resumed = _runner(where, policy, prompts, 4, "resumed", where / "straight" / "checkpoints" / "step=2.ckpt")
-    return {"straight": straight, "resumed": resumed}
+    kl = ["rl.beta=0.04"]
+    straight = _runner(where, policy, prompts, 4, "straight", extra=kl)
+    step_2 = where / "straight" / "checkpoints" / "step=2.ckpt"
+    resumed = _runner(where, policy, prompts, 4, "resumed", step_2, extra=kl)
+    length = f"{Path(prompts).parent / 'length_reward.py'}:length"
+    composed = _runner(where, policy, prompts, 3, "composed", extra=[
+        f"rl.reward=[exact_match,{{function: '{length}', weight: 0.5}}]", "peft.enabled=true", "rl.beta=0.04",
+        "rl.reference=adapters_off", "strategy.activation_checkpointing=full", "monitor.every_n_steps=1",
+        "trainer.precision=bf16-true", "strategy.dtypes.bf16_updates=stochastic", "rl.generation=sharded",
+        "rl.loss=dapo",
+    ])  # fmt: skip
+    return {"straight": straight["train_loss"], "resumed": resumed["train_loss"], "composed": composed, "kl": straight}
 
 
 def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
@@ -330,6 +343,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("grpo_inputs")
     make_llama_folder(folder / "policy")
     _write_lines(folder / "prompts.jsonl", _prompt_lines())
+    (folder / "length_reward.py").write_text(
+        "def length(prompts, completions, records):\n    return [len(c) / 10 for c in completions]\n"
+    )
     return folder
 
 
@@ -438,6 +454,18 @@ def test_a_resume_repeats_the_straight_runs_losses(results: list) -> None:
         seen = results[rank]["resume"]
         assert len(seen["straight"]) == 4 and len(seen["resumed"]) == 2
         assert seen["resumed"] == pytest.approx(seen["straight"][2:], rel=1e-6, abs=1e-7)
+        assert len(seen["kl"]["kl"]) == 4 and seen["kl"]["kl"][0] == pytest.approx(0.0, abs=1e-6)  # the reference
+        assert seen["kl"]["kl"][-1] > 0  # is the starting policy: no KL at step 0, some once it moved
+
+
+def test_lora_with_its_base_as_reference_composes_with_checkpointing_the_monitor_and_bf16_updates(
+    results: list,
+) -> None:
+    for rank in range(WORLD):
+        composed = results[rank]["resume"]["composed"]
+        assert len(composed["train_loss"]) == 3 and all(math.isfinite(v) for v in composed["train_loss"])
+        assert composed["kl"][0] == pytest.approx(0.0, abs=1e-6) and composed["kl"][-1] > 0
+        assert {"train_reward", "logprob_mismatch", "clip_fraction", "completion_length", "val_reward"} <= set(composed)
 
 
 def test_exact_match_takes_the_completions_last_word_or_number_case_folded() -> None:
