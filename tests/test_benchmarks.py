@@ -373,3 +373,18 @@ def test_muon_benchmark_compares_both_optimizers_and_both_exchanges(capsys) -> N
     assert results["bytes"]["owner-based"] < results["bytes"]["naive"] * 2
     out = capsys.readouterr().out
     assert "| owner-based |" in out and "| naive |" in out and "reaches AdamW's 4-step perplexity" in out
+
+
+def test_rl_benchmark_splits_a_step_for_both_generation_modes_and_measures_both_heads(capsys) -> None:
+    from benchmarks import rl
+
+    results = rl.main(["--dim", "32", "--layers", "2", "--steps", "2", "--prompts", "2", "--group", "2", "--new", "4",
+                       "--peaked-steps", "2"])  # fmt: skip
+    assert set(results["phases"]) == {"gathered", "sharded"}
+    assert all(value > 0 for phases in results["phases"].values() for value in phases.values())
+    assert all(results["tokens_per_s"][mode] > 0 for mode in ("gathered", "sharded"))
+    # gathered holds every unit unsharded while decoding; sharded its shards and one unit at a time
+    assert results["bytes"]["gathered"] > results["bytes"]["sharded"]
+    assert set(results["mismatch"]) == {"bf16", "fp32"}
+    out = capsys.readouterr().out
+    assert "| gathered |" in out and "| sharded |" in out and "log-prob mismatch" in out

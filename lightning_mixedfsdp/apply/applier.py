@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mixedfsdp.apply.adapt import ClassRestore
-from lightning_mixedfsdp.apply.boundaries import apply_boundaries, apply_fp32_compute, is_minority
+from lightning_mixedfsdp.apply.boundaries import apply_module_adaptations, is_minority
 from lightning_mixedfsdp.apply.bucketed import broadcast_from_first_rank
 from lightning_mixedfsdp.apply.buffers import BufferSync
 from lightning_mixedfsdp.apply.conditional import apply_conditional_reduction
@@ -120,8 +120,7 @@ def apply_plan(
         apply_compile(index, top_units)
     restores: List[ClassRestore] = []
     replicas = replicate_params(index, plan, meshes.fsdp, device, sharding.recompute_keep_fp32_modules, restores)
-    restores += apply_boundaries(index, plan.sharded_groups, sharding.recompute_keep_fp32_modules)
-    restores += apply_fp32_compute(index, tuple(plan.fp32_compute))
+    restores += apply_module_adaptations(index, plan, sharding.recompute_keep_fp32_modules)
     ignored = {replica.param for replica in replicas}
     apply_fully_shard_groups(index, plan, meshes, options, ignored)
     handles: List[RemovableHandle] = apply_checkpoint_exclusion(model, plan.quantized_params)

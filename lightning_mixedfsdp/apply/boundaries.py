@@ -46,8 +46,16 @@ def apply_fp32_compute(index: ModuleIndex, modules: Sequence[str]) -> List[Class
     return [adapt(index.inner[name], Adaptation(fp32_compute=True)) for name in modules]
 
 
+def apply_module_adaptations(
+    index: ModuleIndex, plan: ShardPlan, recompute: bool, groups: Optional[Sequence[ShardGroup]] = None
+) -> List[ClassRestore]:
+    """The boundaries of ``groups`` (default: the sharded ones; FSDP casts a unit's own inputs) and the fp32-compute
+    modules, before ``fully_shard``."""
+    groups = plan.sharded_groups if groups is None else groups
+    return apply_boundaries(index, groups, recompute) + apply_fp32_compute(index, tuple(plan.fp32_compute))
+
+
 def apply_dtype_boundaries(model: nn.Module, plan: ShardPlan, recompute: bool = False) -> List[ClassRestore]:
     """Every minority group's boundary and the fp32-compute modules, on a model that is not sharded (nothing else
     casts)."""
-    index = ModuleIndex(model)
-    return apply_boundaries(index, plan.groups, recompute) + apply_fp32_compute(index, tuple(plan.fp32_compute))
+    return apply_module_adaptations(ModuleIndex(model), plan, recompute, plan.groups)

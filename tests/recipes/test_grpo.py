@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mixedfsdp.recipes.rl.losses import LOSSES, grpo_loss
+from lightning_mixedfsdp.recipes.rl.losses import LOSSES, LossSettings, grpo_loss
 from lightning_mixedfsdp.recipes.rl.rewards import exact_match, last_answer
 from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, completion_log_probs, positions_of
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
@@ -137,8 +137,9 @@ def _losses_on_given_rollouts(rank: int) -> Dict[str, Any]:
         tokens = rollout.completion_mask.sum().float()
         dist.all_reduce(tokens)
         parts = grpo_loss(
-            log_probs, rollout.generator_log_probs, rollout.completion_mask, data["rewards"][rows], GROUP, kind,
-            CLIP, CLIP_HIGH, MAX_NEW, beta, reference[rows], tokens if kind == "dapo" else None, WORLD,
+            log_probs, rollout.generator_log_probs, rollout.completion_mask, data["rewards"][rows],
+            LossSettings(kind, GROUP, CLIP, CLIP_HIGH, MAX_NEW, beta), reference[rows],
+            tokens if kind == "dapo" else None, WORLD,
         )  # fmt: skip
         fabric.backward(parts.loss)
         out[f"{kind} {beta}"] = {"grads": full_grads(model), "clip_fraction": parts.clip_fraction.item()}
@@ -376,8 +377,8 @@ def test_one_rank_loss_equals_the_formula_on_its_rollout() -> None:
     log_probs = completion_log_probs(_llama(), _rollout(data, rows, old[rows]), 1.0)
     completion, rewards = data["completion"][rows], data["rewards"][rows]
     for kind, beta in CASES:
-        got = grpo_loss(log_probs, old[rows], completion, rewards, GROUP, kind, CLIP, CLIP_HIGH, MAX_NEW, beta,
-                        reference[rows]).loss  # fmt: skip
+        settings = LossSettings(kind, GROUP, CLIP, CLIP_HIGH, MAX_NEW, beta)
+        got = grpo_loss(log_probs, old[rows], completion, rewards, settings, reference[rows]).loss
         expected = formula(log_probs, old[rows], reference[rows], completion, rewards, kind, beta)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 

@@ -26,9 +26,8 @@ the step it resumes at from the restored weights and the step's seed, so with ``
 the straight run; inside a rollout's updates it samples afresh."""
 
 import math
-from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, ClassVar, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,11 +36,11 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_mixedfsdp.apply.gathered import gathered_params
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data.chat import cut_at_end_of_turn
 from lightning_mixedfsdp.recipes.data.prompts import PROMPTS, Prompt, PromptCorpus, prompts_problems
+from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.objectives.frozen import (
@@ -50,22 +49,34 @@ from lightning_mixedfsdp.recipes.objectives.frozen import (
     frozen_model_needs,
     leave_out_of_checkpoints,
 )
-from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss, build_model
-from lightning_mixedfsdp.recipes.rl.losses import LOSSES, grpo_loss
-from lightning_mixedfsdp.recipes.rl.rewards import EXACT_MATCH, load_rewards, reward_problems, reward_specs, scored
+from lightning_mixedfsdp.recipes.objectives.objective import (
+    Objective,
+    Schedule,
+    TrainingLoss,
+    before_after,
+    build_model,
+)
+from lightning_mixedfsdp.recipes.rl.generation import GENERATIONS, generate
+from lightning_mixedfsdp.recipes.rl.losses import LOSSES, LossSettings, grpo_loss
+from lightning_mixedfsdp.recipes.rl.rewards import (
+    EXACT_MATCH,
+    Reward,
+    load_rewards,
+    reward_problems,
+    reward_specs,
+    scored_on_every_rank,
+)
 from lightning_mixedfsdp.recipes.rl.rollouts import (
     Rollout,
     Sampling,
     completion_log_probs,
     completions_text,
     log_prob_mismatch,
-    sample,
 )
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe, RlSection
 
 REFERENCE = "reference"
 COPY, ADAPTERS_OFF = "copy", "adapters_off"
-GENERATIONS = ("gathered", "sharded")
 UNTRAINED_REWARD = "untrained_reward"
 
 
@@ -94,6 +105,46 @@ def needed_fields(settings: RlSection) -> Tuple[str, ...]:
     return ("answer",) if any(spec == EXACT_MATCH for spec, _ in reward_specs(settings.reward)) else ()
 
 
+def starting_weights(model: ModelSection) -> str:
+    assert model.pretrained is not None  # checked before launch
+    return model.pretrained
+
+
+def score_completions(
+    rewards: List[Reward], maker: ExampleMaker, prompts: List[Prompt], rollout: Rollout
+) -> Tuple[List[float], Dict[str, float]]:
+    """The rewards of ``rollout``'s completions, decoded with their end marker cut, on every rank."""
+    texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
+    return scored_on_every_rank(rewards, [p.text for p in prompts], texts, [p.record for p in prompts])
+
+
+def loss_settings(settings: RlSection) -> LossSettings:
+    clip_high = settings.clip_high if settings.clip_high is not None else settings.clip
+    return LossSettings(settings.loss, settings.group_size, settings.clip, clip_high, settings.max_new_tokens,
+                        settings.beta)  # fmt: skip
+
+
+def reference_log_probs(
+    kind: Optional[str],
+    policy: Optional[nn.Module],
+    reference: Optional[nn.Module],
+    rollout: Rollout,
+    temperature: float,
+    vocab: int,
+) -> Optional[Tensor]:
+    """The reference's log-probs of the completion tokens: the frozen copy's, or the policy's with its adapters off;
+    None without a reference."""
+    if kind is None:
+        return None
+    with torch.no_grad():
+        if kind == ADAPTERS_OFF:
+            assert policy is not None
+            with policy.disable_adapter():  # type: ignore[operator]  # a PeftModel (checked before launch)
+                return completion_log_probs(policy, rollout, temperature, vocab)
+        assert reference is not None
+        return completion_log_probs(reference, rollout, temperature, vocab)
+
+
 class GroupRelativePolicyOptimization(Objective):
     """The policy, its optional reference, and the rollout in use (see the module's docstring)."""
 
@@ -116,19 +167,13 @@ class GroupRelativePolicyOptimization(Objective):
         self.reference_kind = rl_reference_kind(self.rl, self.peft.enabled)
         self.reference: Optional[nn.Module] = None
         if self.model is not None and self.reference_kind == COPY:
-            self.reference = frozen_model(self._starting_weights)
-        self.rollout: Optional[Rollout] = None
+            self.reference = frozen_model(starting_weights(self.model_section))
+        self.rollout: Optional[Rollout] = None  # in use: sampled at step rollout_index * updates_per_rollout
         self.rollout_index = -1
-        """The rollout in use: the one sampled at step ``rollout_index * updates_per_rollout``."""
         self.rollout_rewards: Optional[Tensor] = None
         self.first_update = False
         self.held_out_reward = MeanMetric()
         leave_out_of_checkpoints(self, REFERENCE)
-
-    @property
-    def _starting_weights(self) -> str:
-        assert self.model_section.pretrained is not None  # checked before launch
-        return self.model_section.pretrained
 
     # -- what a batch holds
 
@@ -176,74 +221,35 @@ class GroupRelativePolicyOptimization(Objective):
     def configure_model(self) -> None:
         super().configure_model()
         if self.reference is None and self.reference_kind == COPY:
-            self.reference = frozen_model(self._starting_weights)
+            self.reference = frozen_model(starting_weights(self.model_section))
 
     @override
     def on_fit_start(self) -> None:
         super().on_fit_start()
         if self.reference_kind == COPY:
             assert self.reference is not None
-            load_full_weights(self.reference, self._starting_weights)
+            load_full_weights(self.reference, starting_weights(self.model_section))
 
     # -- rollouts
 
     def _corpus(self) -> PromptCorpus:
-        datamodule = self.trainer.datamodule  # type: ignore[attr-defined]
-        assert isinstance(datamodule, PromptCorpus)
-        return datamodule
+        return self.trainer.datamodule  # type: ignore[attr-defined]  # data() made it
 
     def _vocab(self) -> int:
         """The tokenizer's ids: what is sampled and scored (a wider embedding's extra rows never)."""
         return int(self._corpus().tokenizer.vocab_size)
 
-    def _generation(self) -> ContextManager[None]:
-        assert self.model is not None
-        return gathered_params(self, self.model) if self.rl.generation == "gathered" else nullcontext()
-
-    def _all_ended(self, mine: bool) -> bool:
-        flag = torch.tensor([0 if mine else 1], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) == 0
-
     def complete(self, prompts: List[Prompt], sampling: Sampling, generator: Optional[torch.Generator]) -> Rollout:
         """Completions of ``prompts`` (each repeated as the caller wants it) from the current policy."""
         assert self.model is not None
-        maker = self._corpus().maker
-        sharded = self.rl.generation == "sharded" and dist.is_available() and dist.is_initialized()
-        with self._generation():
-            return sample(
-                self.model,
-                [p.ids for p in prompts],
-                sampling,
-                maker.end,
-                maker.pad,
-                generator,
-                self._all_ended if sharded else None,
-                self._vocab(),
-            )
+        maker, ids = self._corpus().maker, [p.ids for p in prompts]
+        return generate(
+            self.model, self, ids, sampling, maker.end, maker.pad, self.rl.generation, generator, self._vocab()
+        )
 
     def score(self, prompts: List[Prompt], rollout: Rollout) -> Tuple[Tensor, Dict[str, float]]:
-        """The rewards of ``rollout``'s completions and each reward function's mean. A reward that fails on one rank
-        raises on every rank (the others would wait in the next collective)."""
-        maker = self._corpus().maker
-        texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
-        failure: Optional[Exception] = None
-        total: List[float] = [0.0] * len(texts)
-        each: Dict[str, List[float]] = {}
-        try:
-            total, each = scored(self.rewards, [p.text for p in prompts], texts, [p.record for p in prompts])
-        except Exception as error:  # raised below, on every rank
-            failure = error
-        if dist.is_available() and dist.is_initialized():
-            failed = torch.tensor([failure is not None], dtype=torch.int32, device=self.device)
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-            if failure is None and failed.item():
-                raise RuntimeError(
-                    "GroupRelativePolicyOptimization: the reward failed on another rank (its error there)"
-                )
-        if failure is not None:
-            raise failure
-        means = {name: sum(values) / len(values) for name, values in each.items()}
+        """The rewards of ``rollout``'s completions and each reward's mean."""
+        total, means = score_completions(self.rewards, self._corpus().maker, prompts, rollout)
         return torch.tensor(total, device=self.device), means
 
     def _rollout_for(self, batch: List[Prompt]) -> None:
@@ -267,18 +273,6 @@ class GroupRelativePolicyOptimization(Objective):
 
     # -- the loss
 
-    def reference_log_probs(self, rollout: Rollout) -> Optional[Tensor]:
-        if self.reference_kind is None:
-            return None
-        temperature = self.rl.temperature
-        with torch.no_grad():
-            if self.reference_kind == ADAPTERS_OFF:
-                assert self.model is not None
-                with self.model.disable_adapter():  # type: ignore[operator]  # a PeftModel (checked before launch)
-                    return completion_log_probs(self.model, rollout, temperature, self._vocab())
-            assert self.reference is not None
-            return completion_log_probs(self.reference, rollout, temperature, self._vocab())
-
     @override
     def training_loss(self, batch: List[Prompt]) -> TrainingLoss:
         assert self.model is not None
@@ -290,25 +284,17 @@ class GroupRelativePolicyOptimization(Objective):
         if self.first_update:
             mismatch = log_prob_mismatch(log_probs.detach(), rollout.generator_log_probs, mask)
             self.log("logprob_mismatch", mismatch, sync_dist=True)
-        all_tokens, ranks = None, self.data_parallel_ranks()
+        all_tokens = None
         if settings.loss == "dapo" and dist.is_available() and dist.is_initialized():
             all_tokens = mask.sum().float()
             dist.all_reduce(all_tokens)
-        parts = grpo_loss(
-            log_probs,
-            rollout.generator_log_probs,
-            mask,
-            rewards,
-            settings.group_size,
-            settings.loss,
-            settings.clip,
-            settings.clip_high if settings.clip_high is not None else settings.clip,
-            settings.max_new_tokens,
-            settings.beta,
-            self.reference_log_probs(rollout),
-            all_tokens,
-            ranks if all_tokens is not None else 1,
+        model, reference, vocab = self.model, self.reference, self._vocab()
+        reference_probs = reference_log_probs(
+            self.reference_kind, model, reference, rollout, settings.temperature, vocab
         )
+        ranks = self.data_parallel_ranks()
+        parts = grpo_loss(log_probs, rollout.generator_log_probs, mask, rewards, loss_settings(settings),
+                          reference_probs, all_tokens, ranks)  # fmt: skip
         self.log("clip_fraction", parts.clip_fraction, sync_dist=True)
         if self.reference_kind is not None:
             self.log("kl", parts.kl, sync_dist=True)
@@ -337,14 +323,16 @@ class GroupRelativePolicyOptimization(Objective):
     @override
     @classmethod
     def summary(cls, untrained: Optional[float], trained: Optional[float], steps: int, pretrained: bool) -> str:
-        first = f"{untrained:.3f} before" if untrained is not None else "not evaluated before"
-        finish = f"{trained:.3f}" if trained is not None else "not evaluated"
-        return f"{cls.evaluated}: {first} -> {finish} after {steps} steps"
+        return before_after(cls.evaluated, untrained, trained, steps)
 
 
 def grpo_problems(recipe: Recipe) -> List[str]:
     """What GRPO needs of the recipe, all at once, each with its fix."""
-    settings = recipe.rl
+    return [*rl_setting_problems(recipe.rl), *reference_problems(recipe), *grpo_composition_problems(recipe)]
+
+
+def rl_setting_problems(settings: RlSection) -> List[str]:
+    """The ``rl`` section's values: the reward, the group, sampling, the loss."""
     problems = reward_problems(settings.reward)
     if settings.group_size < 2:
         problems.append(
@@ -374,6 +362,12 @@ def grpo_problems(recipe: Recipe) -> List[str]:
         problems.append(f"rl.beta={settings.beta} must be >= 0 (0: no reference)")
     if settings.generation not in GENERATIONS:
         problems.append(f"rl.generation={settings.generation!r}: use one of {', '.join(GENERATIONS)}")
+    return problems
+
+
+def reference_problems(recipe: Recipe) -> List[str]:
+    """The KL's reference against ``rl.beta``, peft and ``model.pretrained``."""
+    settings, problems = recipe.rl, []
     kind = rl_reference_kind(settings, recipe.peft.enabled)
     if settings.reference is not None and not settings.beta:
         problems.append(
@@ -389,6 +383,13 @@ def grpo_problems(recipe: Recipe) -> List[str]:
         )
     elif kind == COPY and recipe.model.pretrained is None:
         problems.append("rl.reference=copy is a frozen copy of model.pretrained: set model.pretrained")
+    return problems
+
+
+def grpo_composition_problems(recipe: Recipe) -> List[str]:
+    """What GRPO does not compose with: accumulation, context parallelism, fault tolerance, semi-synchronous
+    replicas."""
+    problems = []
     if recipe.trainer.accumulate_grad_batches != 1:
         problems.append(
             f"trainer.accumulate_grad_batches={recipe.trainer.accumulate_grad_batches}: a GRPO step is one rollout of"

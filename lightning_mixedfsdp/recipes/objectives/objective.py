@@ -54,6 +54,13 @@ def build_model(model: ModelSection, peft: PeftSection) -> nn.Module:
     return build_hf_model(config, peft.lora_arguments(), model.freeze, trust_remote_code=trust)
 
 
+def before_after(evaluated: str, untrained: Optional[float], trained: Optional[float], steps: int) -> str:
+    """A run's last line for a score: ``<evaluated>: A before -> B after N steps``."""
+    first = f"{untrained:.3f} before" if untrained is not None else "not evaluated before"
+    finish = f"{trained:.3f}" if trained is not None else "not evaluated"
+    return f"{evaluated}: {first} -> {finish} after {steps} steps"
+
+
 class Schedule(NamedTuple):
     """AdamW's settings and the learning rate's plan: linear warm-up, then cosine decay to 10 % at ``max_steps``."""
 

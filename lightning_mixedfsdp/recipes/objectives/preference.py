@@ -48,7 +48,7 @@ from lightning_mixedfsdp.recipes.objectives.frozen import (
     leave_out_of_checkpoints,
     storage_problems,
 )
-from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import Objective, Schedule, TrainingLoss, before_after
 from lightning_mixedfsdp.recipes.objectives.precomputed_reference import StoredScores, looked_up, stored_or_scored
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, PreferenceSection, Recipe
 
@@ -289,9 +289,7 @@ class PreferenceTuning(Objective):
     @override
     @classmethod
     def summary(cls, untrained: Optional[float], trained: Optional[float], steps: int, pretrained: bool) -> str:
-        first = f"{untrained:.3f} before" if untrained is not None else "not evaluated before"
-        finish = f"{trained:.3f}" if trained is not None else "not evaluated"
-        return f"{cls.evaluated}: {first} -> {finish} after {steps} steps"
+        return before_after(cls.evaluated, untrained, trained, steps)
 
 
 def _computed_and_reset(metric: MeanMetric) -> float:

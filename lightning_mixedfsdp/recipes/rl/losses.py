@@ -16,6 +16,7 @@ FSDP averages gradients over the data-parallel ranks, so each rank's loss is sca
 formula's over the union of the ranks' rollouts: ``grpo`` and ``dr_grpo`` need nothing (every rank holds as many
 completions), ``dapo`` divides by the tokens of all ranks (``all_tokens``) times the ranks."""
 
+from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
 
 import torch
@@ -35,6 +36,18 @@ def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool) -> Te
     return centred.reshape(-1)
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """``rl.loss`` and what it reads: the group size, PPO's clips, the constant of ``dr_grpo``, the KL's weight."""
+
+    kind: str
+    group_size: int
+    clip: float
+    clip_high: float
+    max_new_tokens: int
+    beta: float = 0.0
+
+
 class LossParts(NamedTuple):
     loss: Tensor
     """What backward runs on (see the module's docstring for the scaling)."""
@@ -50,17 +63,15 @@ def grpo_loss(
     old_log_probs: Tensor,
     completion_mask: Tensor,
     rewards: Tensor,
-    group_size: int,
-    kind: str,
-    clip: float,
-    clip_high: float,
-    max_new_tokens: int,
-    beta: float = 0.0,
+    settings: LossSettings,
     reference_log_probs: Optional[Tensor] = None,
     all_tokens: Optional[Tensor] = None,
     ranks: int = 1,
 ) -> LossParts:
-    """The loss of one rank's rollout (``[rows, len]`` per-token tensors; ``rewards`` per row)."""
+    """The loss of one rank's rollout (``[rows, len]`` per-token tensors; ``rewards`` per row); ``all_tokens`` and
+    ``ranks``: ``dapo``'s denominator, the completion tokens of every rank."""
+    kind, group_size, beta = settings.kind, settings.group_size, settings.beta
+    clip, clip_high, max_new_tokens = settings.clip, settings.clip_high, settings.max_new_tokens
     mask = completion_mask.float()
     advantages = group_advantages(rewards, group_size, scale_by_std=kind != "dr_grpo").unsqueeze(-1)
     ratio = torch.exp(log_probs - old_log_probs)

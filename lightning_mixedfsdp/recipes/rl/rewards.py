@@ -143,3 +143,28 @@ def scored(
         each[reward.name] = values
         total = [t + reward.weight * v for t, v in zip(total, values, strict=True)]
     return total, each
+
+
+def scored_on_every_rank(
+    rewards: Sequence[Reward], prompts: List[str], completions: List[str], records: List[Dict[str, Any]]
+) -> Tuple[List[float], Dict[str, float]]:
+    """:func:`scored` on this rank's completions, and each reward's mean. A reward that raises on one rank raises on
+    every rank (the others would wait in the next collective): a flag is all-reduced after scoring."""
+    import torch
+    import torch.distributed as dist
+
+    failure: Optional[Exception] = None
+    total: List[float] = [0.0] * len(completions)
+    each: Dict[str, List[float]] = {}
+    try:
+        total, each = scored(rewards, prompts, completions, records)
+    except Exception as error:  # raised below, on every rank
+        failure = error
+    if dist.is_available() and dist.is_initialized():
+        failed = torch.tensor([failure is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failure is None and failed.item():
+            raise RuntimeError("rl.reward failed on another rank (its error is in that rank's log)")
+    if failure is not None:
+        raise failure
+    return total, {name: sum(values) / len(values) for name, values in each.items()}

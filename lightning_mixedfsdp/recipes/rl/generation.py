@@ -1,0 +1,42 @@
+"""Decoding rollouts on the sharded policy, in the ``rl.generation`` mode: ``gathered`` holds every unit unsharded
+for the rollout (``apply/gathered.py``: one all-gather per unit, none per token, so each rank stops at its own end);
+``sharded`` keeps FSDP's all-gathers at every decoding step, so every rank runs as many steps as the slowest: an end
+flag is all-reduced after each."""
+
+from contextlib import nullcontext
+from typing import ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_mixedfsdp.apply.gathered import gathered_params
+from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, Sampling, sample
+
+GENERATIONS = ("gathered", "sharded")
+
+
+def every_rank_ended(mine: bool) -> bool:
+    """Whether every rank's rows ended (``mine``: this rank's), all-reduced over the default group."""
+    flag = torch.tensor([0 if mine else 1])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def generate(
+    model: nn.Module,
+    root: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    end: Sequence[int],
+    pad: int,
+    mode: str,
+    generator: Optional[torch.Generator] = None,
+    vocab: Optional[int] = None,
+) -> Rollout:
+    """``prompts``' completions from ``model`` (``root``: the module FSDP's root is in) in generation ``mode``."""
+    launched = dist.is_available() and dist.is_initialized()
+    holding: ContextManager[None] = gathered_params(root, model) if mode == "gathered" else nullcontext()
+    all_ended = every_rank_ended if mode == "sharded" and launched else None
+    with holding:
+        return sample(model, prompts, sampling, end, pad, generator, all_ended, vocab)
