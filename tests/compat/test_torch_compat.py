@@ -115,6 +115,49 @@ def test_fsdp_state_accessors_and_the_reset_after_a_failed_backward() -> None:
             assert torch.equal(got, expected)
 
 
+def _held_gathered(rank: int, world_size: int) -> Dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_mixedfsdp.apply.gathered import gathered_params
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    for layer in (model[0], model[1]):
+        fully_shard(layer)
+    fully_shard(model)  # not run yet: gathered_params runs FSDP's lazy init itself
+    before = [compat.fsdp_post_forward_mesh_infos(m) for m in (model[0], model[1], model)]
+    x = torch.randn(2, 4)
+    with torch.no_grad(), gathered_params(model, model):
+        with count_collectives() as counts:
+            held = [model(x) for _ in range(3)]
+    after = [compat.fsdp_post_forward_mesh_infos(m) for m in (model[0], model[1], model)]
+    with count_collectives() as training:
+        model(x).sum().backward()
+    return {
+        "inner_resharded": [info is not None for infos in before[:2] for info in infos],
+        "restored": [a == b for a, b in zip(after[:2], before[:2], strict=True)],
+        "root_not_resharded": after[2] == [None],
+        "held_collectives": counts.by_kind(),
+        "training_collectives": training.by_kind(),
+        "equal": all(torch.equal(out, held[0]) for out in held),
+        "sharded_after": all(p.to_local().shape[0] < p.shape[0] for p in model.parameters() if p.shape[0] > 1),
+    }
+
+
+def test_params_held_gathered_run_forwards_without_collectives_and_restore_resharding() -> None:
+    """``apply/gathered.py`` over ``fsdp_lazy_init`` and the post-forward mesh infos: three forwards inside issue no
+    collective; after it, each unit reshards after forward again and a training step all-gathers and reduces."""
+    for result in run_distributed(_held_gathered, 2):
+        assert result["inner_resharded"] == [True, True] and result["restored"] == [True, True]
+        assert result["root_not_resharded"] and result["equal"] and result["sharded_after"]
+        assert result["held_collectives"] == {}
+        assert result["training_collectives"].get("all_gather", 0) >= 3
+        assert result["training_collectives"].get("reduce_scatter", 0) == 3
+
+
 def test_muons_orthogonalisation_and_lr_adjustment_are_torchs() -> None:
     from lightning_mixedfsdp.compat.torch import muon_adjusted_lr, muon_orthogonalise
 

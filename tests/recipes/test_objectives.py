@@ -45,15 +45,15 @@ def test_a_recipe_without_an_objective_trains_its_data_formats_default() -> None
     assert objective_class(load_recipe(None, TINY, launching=False)) is CausalLM
     chat = load_recipe(None, [*TINY, "data.format=chat"], launching=False)
     assert objective_class(chat) is ChatLM
-    assert list(OBJECTIVES) == ["language_modeling", "sft", "distillation", "preference", "vision_sft"]
+    assert list(OBJECTIVES) == ["language_modeling", "sft", "distillation", "preference", "vision_sft", "grpo"]
 
 
 def test_an_unknown_objective_is_refused_with_the_close_name() -> None:
     with pytest.raises(RecipeError) as error:
         load_recipe(None, [*TINY, "objective=language_modelling"], launching=False)
     assert (
-        "objective='language_modelling' is not one of ['distillation', 'language_modeling', 'preference', 'sft',"
-        " 'vision_sft']; did you mean"
+        "objective='language_modelling' is not one of ['distillation', 'grpo', 'language_modeling', 'preference',"
+        " 'sft', 'vision_sft']; did you mean"
         " 'language_modeling'? leave it unset to train the data's format"
     ) in str(error.value)
 

@@ -3,12 +3,12 @@ list of messages ending with a user turn, rendered by the chat template with its
 fields, which are handed to the reward (``answer`` for ``exact_match``). Every bad line is found before launch,
 named by file and line.
 
-The training stream gives each rank ``rl.prompts_per_step`` prompts of its own per optimizer step (the stream of
-``stream.py``: seeded, resumable); the held-out prompts (every ``data.held_out_every``-th line) are split over the
+The training stream gives each rank ``rl.prompts_per_step`` prompts of its own per optimizer step (``text.py``'s
+``StreamSampler``: seeded, resumable); the held-out prompts (every ``data.held_out_every``-th line) are split over the
 ranks, ``data.val_windows`` of them at most, for greedy completions."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -161,14 +161,11 @@ class PromptCorpus(TextCorpus):
 
     @override
     def setup(self, stage: str) -> None:
+        if not self.data.files:  # the launcher refused it before (the generated defaults are other formats')
+            raise ValueError("data.format=prompts reads prompts from data.files; set data.files")
         splits = read_prompts(self.data, self.maker, self.needed)
         if splits.problems or not splits.train or not splits.held_out:  # the launcher checked the same before
             raise ValueError("; ".join(splits.problems) or "data: no prompts to train or evaluate on")
         self.train_set = PromptSet(splits.train)
         self.val_set = PromptSet(splits.held_out, self.data.val_windows)
         rank_zero_info(f"data: prompts, {len(splits.train)} training and {len(splits.held_out)} held-out prompts")
-
-    def prompt_shapes(self) -> Tuple[int, int]:
-        """(training prompts, held-out prompts)."""
-        assert self.train_set is not None and self.val_set is not None
-        return len(self.train_set), len(self.val_set)

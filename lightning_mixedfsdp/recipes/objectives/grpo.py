@@ -115,7 +115,8 @@ def score_completions(
 ) -> Tuple[List[float], Dict[str, float]]:
     """The rewards of ``rollout``'s completions, decoded with their end marker cut, on every rank."""
     texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
-    return scored_on_every_rank(rewards, [p.text for p in prompts], texts, [p.record for p in prompts])
+    records, device = [p.record for p in prompts], rollout.input_ids.device
+    return scored_on_every_rank(rewards, [p.text for p in prompts], texts, records, device)
 
 
 def loss_settings(settings: RlSection) -> LossSettings:

@@ -16,9 +16,10 @@ from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, Sampling, sample
 GENERATIONS = ("gathered", "sharded")
 
 
-def every_rank_ended(mine: bool) -> bool:
-    """Whether every rank's rows ended (``mine``: this rank's), all-reduced over the default group."""
-    flag = torch.tensor([0 if mine else 1])
+def every_rank_ended(mine: bool, device: torch.device) -> bool:
+    """Whether every rank's rows ended (``mine``: this rank's), all-reduced over the default group (on ``device``:
+    NCCL reduces device tensors only)."""
+    flag = torch.tensor([0 if mine else 1], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item()) == 0
 
@@ -37,6 +38,7 @@ def generate(
     """``prompts``' completions from ``model`` (``root``: the module FSDP's root is in) in generation ``mode``."""
     launched = dist.is_available() and dist.is_initialized()
     holding: ContextManager[None] = gathered_params(root, model) if mode == "gathered" else nullcontext()
-    all_ended = every_rank_ended if mode == "sharded" and launched else None
+    device = next(model.parameters()).device
+    all_ended = (lambda mine: every_rank_ended(mine, device)) if mode == "sharded" and launched else None
     with holding:
         return sample(model, prompts, sampling, end, pad, generator, all_ended, vocab)

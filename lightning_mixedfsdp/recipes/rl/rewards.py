@@ -146,10 +146,15 @@ def scored(
 
 
 def scored_on_every_rank(
-    rewards: Sequence[Reward], prompts: List[str], completions: List[str], records: List[Dict[str, Any]]
+    rewards: Sequence[Reward],
+    prompts: List[str],
+    completions: List[str],
+    records: List[Dict[str, Any]],
+    device: Any = "cpu",
 ) -> Tuple[List[float], Dict[str, float]]:
     """:func:`scored` on this rank's completions, and each reward's mean. A reward that raises on one rank raises on
-    every rank (the others would wait in the next collective): a flag is all-reduced after scoring."""
+    every rank (the others would wait in the next collective): a flag is all-reduced after scoring, on ``device``
+    (NCCL reduces device tensors only)."""
     import torch
     import torch.distributed as dist
 
@@ -161,7 +166,7 @@ def scored_on_every_rank(
     except Exception as error:  # raised below, on every rank
         failure = error
     if dist.is_available() and dist.is_initialized():
-        failed = torch.tensor([failure is not None], dtype=torch.int32)
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failure is None and failed.item():
             raise RuntimeError("rl.reward failed on another rank (its error is in that rank's log)")

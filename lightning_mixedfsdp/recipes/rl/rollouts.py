@@ -40,24 +40,9 @@ class Rollout:
     """``[rows, prompt_len + new]`` fp32: each completion token's log-prob as sampled (0 elsewhere)."""
     prompt_len: int
 
-    def to(self, device: torch.device) -> "Rollout":
-        moved = {name: getattr(self, name).to(device) for name in ROLLOUT_TENSORS}
-        return Rollout(**moved, prompt_len=self.prompt_len)
-
-    def state(self) -> Dict[str, Any]:
-        """As a checkpoint holds it."""
-        return {**{name: getattr(self, name).cpu() for name in ROLLOUT_TENSORS}, "prompt_len": self.prompt_len}
-
-    @classmethod
-    def of_state(cls, state: Dict[str, Any]) -> "Rollout":
-        return cls(**state)
-
     @property
     def completion_lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
-
-
-ROLLOUT_TENSORS = ("input_ids", "attention_mask", "completion_mask", "generator_log_probs")
 
 
 def positions_of(attention_mask: Tensor) -> Tensor:
