@@ -535,3 +535,17 @@ def test_context_parallel_fault_tolerant_and_semi_synchronous_runs_are_refused(i
         "strategy.parallelism.replicate_sync=local_sgd",
     )  # fmt: skip
     assert "GRPO with strategy.parallelism.replicate_sync='local_sgd' is not supported" in semi_sync
+
+
+def test_too_few_prompts_for_the_ranks_and_prompts_too_long_for_the_rows_are_refused(inputs: Path) -> None:
+    few = _write_lines(inputs / "few.jsonl", _prompt_lines(3))
+    message = _refusal(inputs, "data.format=prompts", prompts=few)
+    assert (
+        "data: 2 training and 1 held-out prompts (at most data.val_windows=2 evaluated); training and evaluation"
+        in message
+    )
+    assert "need a prompt per data-parallel rank (2): add prompts, lower data.held_out_every=10" in message
+    longest = len("Which is larger, 1 or 1?")
+    message = _refusal(inputs, "data.seq_len=20")
+    assert f"data: the longest prompt has {longest} tokens, and with rl.max_new_tokens=6 a rollout is longer" in message
+    assert f"raise data.seq_len to {longest + 6} or shorten prompts" in message

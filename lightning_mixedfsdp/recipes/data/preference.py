@@ -31,6 +31,7 @@ from lightning_mixedfsdp.recipes.data.sft import (
     padded_rows,
     read_records,
     split_records,
+    split_size_problems,
     too_long_problems,
 )
 from lightning_mixedfsdp.recipes.data.stdlib_chat import stdlib_preference_pairs
@@ -180,14 +181,7 @@ def preference_problems(data: DataSection, ranks: int) -> List[str]:
     problems = [*splits.problems, *too_long_problems(splits, data, "pairs")]
     if problems:
         return problems
-    held_out = min(len(splits.held_out), data.val_windows)
-    if len(splits.train) < ranks or held_out < ranks:
-        problems.append(
-            f"data: {len(splits.train)} training and {len(splits.held_out)} held-out pairs (at most"
-            f" data.val_windows={data.val_windows} evaluated); training and evaluation need a pair per data-parallel"
-            f" rank ({ranks}): add pairs, lower data.held_out_every={data.held_out_every}, or raise data.val_windows"
-        )
-    return problems
+    return split_size_problems(len(splits.train), len(splits.held_out), data, ranks, "pair")
 
 
 class PreferenceCorpus(TextCorpus):

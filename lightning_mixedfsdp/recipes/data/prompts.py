@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.data.chat import ROLES
-from lightning_mixedfsdp.recipes.data.sft import MAX_LISTED, ExampleMaker, read_records
+from lightning_mixedfsdp.recipes.data.sft import MAX_LISTED, ExampleMaker, read_records, split_size_problems
 from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus, make_tokenizer
 from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
@@ -113,14 +113,8 @@ def prompts_problems(data: DataSection, ranks: int, needed: Sequence[str], max_l
     problems = list(splits.problems)
     if problems:
         return problems
-    held_out = min(len(splits.held_out), data.val_windows)
-    if len(splits.train) < ranks or held_out < ranks:
-        problems.append(
-            f"data: {len(splits.train)} training and {len(splits.held_out)} held-out prompts (at most"
-            f" data.val_windows={data.val_windows} evaluated); training and evaluation need a prompt per data-parallel"
-            f" rank ({ranks}): add prompts, lower data.held_out_every={data.held_out_every}, or raise data.val_windows"
-        )
-    longest = max(len(p.ids) for p in splits.train + splits.held_out)
+    problems += split_size_problems(len(splits.train), len(splits.held_out), data, ranks, "prompt")
+    longest = max((len(p.ids) for p in splits.train + splits.held_out), default=0)
     if longest + max_len > data.seq_len:
         problems.append(
             f"data: the longest prompt has {longest} tokens, and with rl.max_new_tokens={max_len} a rollout is"

@@ -196,6 +196,18 @@ def too_long_problems(splits: "Splits[Any]", data: DataSection, items: str = "ex
     ]
 
 
+def split_size_problems(train: int, held_out: int, data: DataSection, ranks: int, item: str) -> List[str]:
+    """Too few ``item`` s (``pair``, ``prompt``) for one to train and one to evaluate on each data-parallel rank (at
+    most ``data.val_windows`` held-out ones are evaluated)."""
+    if train >= ranks and min(held_out, data.val_windows) >= ranks:
+        return []
+    return [
+        f"data: {train} training and {held_out} held-out {item}s (at most data.val_windows={data.val_windows}"
+        f" evaluated); training and evaluation need a {item} per data-parallel rank ({ranks}): add {item}s, lower"
+        f" data.held_out_every={data.held_out_every}, or raise data.val_windows"
+    ]
+
+
 def fine_tuning_examples(data: DataSection, maker: ExampleMaker) -> ExampleSplits:
     """Every record made an example (see :func:`split_records`)."""
     return split_records(
