@@ -137,7 +137,8 @@ def sample(
     prompt_len, rows = ids.shape[1], ids.shape[0]
     end_ids = torch.tensor(list(end), device=device)
     ended = torch.zeros(rows, dtype=torch.bool, device=device)
-    completion, log_probs, trained = [], [], []
+    log_probs: List[Tensor] = []
+    trained: List[Tensor] = []
     cache: Any = None
     cached = not isinstance(model, TinyLlama)
     for _ in range(sampling.max_new_tokens):
@@ -156,7 +157,6 @@ def sample(
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token = torch.where(ended, torch.full_like(token, pad), token)
         picked = torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        completion.append(token)
         log_probs.append(torch.where(ended, torch.zeros_like(picked), picked))
         trained.append((~ended).long())
         ids = torch.cat([ids, token.unsqueeze(-1)], dim=1)
@@ -167,7 +167,7 @@ def sample(
         done = all_ended(mine) if all_ended is not None else mine
         if done:
             break
-    new = len(completion)
+    new = len(trained)
     zeros = torch.zeros((rows, prompt_len), device=device)
     return Rollout(
         input_ids=ids,
