@@ -69,6 +69,16 @@ EXTRA = {
         mamba_chunk_size=16,
         mamba_expand=2,
     ),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        mamba_d_state=8,
+        mamba_expand=2,
+    ),
     "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
     "lfm2_moe": dict(**MOE, num_experts=4, num_dense_layers=1, layer_types=["conv", "full_attention"]),
 }

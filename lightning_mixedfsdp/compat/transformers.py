@@ -1,5 +1,5 @@
 """Every transformers API the library uses beyond its public model classes (expert parallelism, checkpoint key
-renames), each behind one small function.
+renames, decoding with a cache), each behind one small function.
 
 Checked on transformers 5.23 and 5.24 (``transformers/distributed/expert_parallel.py``, ``parallel_utils.py``,
 ``mixin.py``, ``conversion_mapping.py``, ``core_model_loading.py``). transformers is optional: these import it only
@@ -80,3 +80,33 @@ def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[
     meta = dict.fromkeys(shell.state_dict())
     prefix = shell.base_model_prefix
     return lambda key: str(rename_source_key(key, renamings, [], prefix, meta)[0])
+
+
+def decodes_with_cache(model: nn.Module) -> bool:
+    """Whether rollouts may decode ``model`` one token at a time with its own cache: a model whose cache holds
+    attention keys and values only. A stateful model (``_is_stateful``, a private class attribute of transformers
+    4.x and 5.23-5.24: Mamba, Mamba-2, and the hybrids Jamba, Falcon-H1, Nemotron-H, Bamba, ...) carries recurrent
+    states whose decoding step needs inputs of the model's own (5.24's Mamba-1 decodes another distribution when the
+    step is given the attention mask: mismatch 0.53 on a random init, Mamba-2 1e-7). Such a model decodes without a
+    cache instead: each step runs the whole sequence, the forward the trainer runs. Asked through a peft wrapper,
+    which forwards attribute reads to the model inside."""
+    return not bool(getattr(model, "_is_stateful", False))
+
+
+def cache_keyword() -> str:
+    """The name of the decoding cache, in a causal LM's arguments and in its output: ``cache`` from transformers 5.24
+    on, ``past_key_values`` before (5.23). Read off ``CausalLMOutputWithPast``'s fields, not the version."""
+    from dataclasses import fields
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def cached_step(model: nn.Module, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
+    """One decoding step of an HF causal LM with its KV cache (None at the first, the prompt's): the logits of the
+    tokens fed, and the cache for the next step, under either version's name (:func:`cache_keyword`)."""
+    name = cache_keyword()
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, name: cache}
+    out = model(**inputs, use_cache=True)
+    return out.logits, getattr(out, name)

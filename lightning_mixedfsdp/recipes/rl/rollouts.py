@@ -2,10 +2,12 @@
 of each token kept (the generator's log-probs, PPO's old policy), and the training forward's log-probs of the same
 tokens.
 
-Prompts are left-padded to one length, so every row's next token is at the same column. An HF model decodes with
-its KV cache, positions from the attention mask (``cumsum - 1``, as ``generate`` does; without them a left-padded
-row's tokens would sit at other positions than in training); the reference model (no cache) runs its whole sequence
-each step, its left padding a document of its own (positions restarting at 0), which its attention never crosses.
+Prompts are left-padded to one length, so every row's next token is at the same column. An HF model whose cache
+holds attention keys and values decodes with it, positions from the attention mask (``cumsum - 1``, as ``generate``
+does; without them a left-padded row's tokens would sit at other positions than in training). A stateful model
+(Mamba, Mamba-2, hybrids such as Jamba and Falcon-H1: ``compat.transformers.decodes_with_cache``) and the reference
+model run their whole sequence each step, the trainer's forward; the reference model's left padding is a document of
+its own (positions restarting at 0), which its attention never crosses.
 A row ends at its end marker (the end-of-turn bytes, or the tokenizer's EOS) or after ``max_new_tokens``; ended rows
 get padding, masked out of the loss.
 
@@ -23,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp.compat.transformers import cached_step, decodes_with_cache
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 
 
@@ -140,13 +143,13 @@ def sample(
     log_probs: List[Tensor] = []
     trained: List[Tensor] = []
     cache: Any = None
-    cached = not isinstance(model, TinyLlama)
+    cached = not isinstance(model, TinyLlama) and decodes_with_cache(model)
     for _ in range(sampling.max_new_tokens):
         if cached:
             fed = ids if cache is None else ids[:, -1:]
             positions = positions_of(mask)[:, -fed.shape[1] :]
-            out = model(input_ids=fed, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            logits, cache = out.logits[:, -1], out.cache
+            logits, cache = cached_step(model, fed, mask, positions, cache)
+            logits = logits[:, -1]
         else:
             logits = forward_logits(model, ids, mask)[:, -1]
         scaled = within(logits, vocab).float() / max(sampling.temperature, 1e-6)
