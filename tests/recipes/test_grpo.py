@@ -11,6 +11,7 @@ any launch."""
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -25,7 +26,8 @@ from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, completion_log_prob
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.conftest import Launch
-from tests.recipes.second_model import make_llama_folder
+from tests.recipes.exports import assert_the_export_states_its_dtype
+from tests.recipes.second_model import TEACHER_VOCAB, make_llama_folder
 from tests.scenarios import full_grads, make_fabric
 
 WORLD = 2
@@ -303,6 +305,26 @@ def _resume(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]
     return {"straight": straight["train_loss"], "resumed": resumed["train_loss"], "composed": composed, "kl": straight}
 
 
+def _mamba(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
+    """GRPO on an HF Mamba (Mamba-1) under 32-true: its generator decodes without a cache, the trainer's forward, so
+    the mismatch is rounding; then the same run with its cache as an attention model decodes (the generator that
+    sampled another distribution): the launch's first rollout raises on every rank, naming the class and the value."""
+    from lightning_mixedfsdp.recipes.rl import rollouts
+
+    where, fp32 = Path(folder), ["trainer.precision=32-true"]
+    out: Dict[str, Any] = {"exact": _runner(where, policy, prompts, 2, "mamba", extra=fp32)}
+    decodes_with_cache = rollouts.decodes_with_cache
+    rollouts.decodes_with_cache = lambda model: True  # type: ignore[assignment]
+    try:
+        _runner(where, policy, prompts, 2, "mamba_cached", extra=fp32)
+        out["refused"] = None
+    except RuntimeError as error:
+        out["refused"] = str(error)
+    finally:
+        rollouts.decodes_with_cache = decodes_with_cache
+    return out
+
+
 def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
     policy, prompts = str(Path(inputs) / "policy"), str(Path(inputs) / "prompts.jsonl")
     return {
@@ -311,6 +333,7 @@ def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any
         "fp32_head": _fp32_head(rank),
         "mismatch": _mismatch(rank),
         "resume": _resume(rank, folder, policy, prompts),
+        "mamba": _mamba(rank, folder, str(Path(inputs) / "mamba"), prompts),
     }
 
 
@@ -339,10 +362,26 @@ def _recipe(policy: str, prompts: str, output: str, steps: int, devices: int = W
     ]  # fmt: skip
 
 
+def make_mamba_folder(folder: Path) -> Path:
+    """An HF Mamba (Mamba-1) from config, saved in bf16, with the byte tokenizer: a recurrent state cache, no
+    attention."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer
+    from tests.hf_models import tiny_config
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(tiny_config("mamba", vocab_size=TEACHER_VOCAB))
+    model.to(torch.bfloat16).save_pretrained(folder)  # saved bf16: a 32-true recipe trains it in fp32
+    write_byte_tokenizer(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("grpo_inputs")
     make_llama_folder(folder / "policy")
+    make_mamba_folder(folder / "mamba")
     _write_lines(folder / "prompts.jsonl", _prompt_lines())
     (folder / "length_reward.py").write_text(
         "def length(prompts, completions, records):\n    return [len(c) / 10 for c in completions]\n"
@@ -459,6 +498,30 @@ def test_a_resume_repeats_the_straight_runs_losses(results: list) -> None:
         assert seen["kl"]["kl"][-1] > 0  # is the starting policy: no KL at step 0, some once it moved
 
 
+def test_the_policys_export_says_bfloat16_and_loads_as_it_was_trained(results: list, folder: Path) -> None:
+    assert_the_export_states_its_dtype(folder / "straight" / "export", torch.bfloat16)
+
+
+def test_a_mamba_policy_samples_what_the_trainer_scores_and_a_cache_that_does_not_is_refused(
+    results: list, folder: Path
+) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    # the bf16 checkpoint trained in fp32 under 32-true: every param of the policy's checkpoint is fp32
+    saved = FileSystemReader(str(folder / "mamba" / "checkpoints" / "last.ckpt")).read_metadata().state_dict_metadata
+    policy = {key: meta for key, meta in saved.items() if key.startswith("state_dict.model.")}
+    assert policy and all(meta.properties.dtype == torch.float32 for meta in policy.values())
+    for rank in range(WORLD):
+        seen = results[rank]["mamba"]
+        assert len(seen["exact"]["logprob_mismatch"]) == 2
+        assert max(seen["exact"]["logprob_mismatch"]) <= 1e-5, seen["exact"]["logprob_mismatch"]
+        refused = seen["refused"]
+        assert refused is not None and refused.startswith("GroupRelativePolicyOptimization: on MambaForCausalLM")
+        value = float(re.search(r"logprob_mismatch .* is ([0-9.e+-]+), above rl.mismatch_limit=0.001", refused)[1])
+        assert value > 0.01, refused
+    assert results[0]["mamba"]["refused"] == results[1]["mamba"]["refused"]  # the largest over the ranks, on both
+
+
 def test_lora_with_its_base_as_reference_composes_with_checkpointing_the_monitor_and_bf16_updates(
     results: list,
 ) -> None:
@@ -494,6 +557,21 @@ def test_bad_prompt_lines_are_named_by_file_and_line_all_at_once(inputs: Path) -
     assert f"data: {path}:5 'prompt' ends with a assistant turn; the policy writes the next assistant turn" in message
     assert f"data: {path}:7 has no 'answer' field, which the reward (rl.reward) reads; add it" in message
     assert f"data: {path}:9 holds 'images': reinforcement learning takes text prompts only" in message
+
+
+def test_problems_in_rl_data_and_model_are_refused_together_before_launch(inputs: Path) -> None:
+    lines: List[Any] = list(_prompt_lines(30))
+    lines[3] = {"question": "q", "answer": "1"}
+    lines[5] = {"prompt": "What is 1 + 1?"}
+    path = _write_lines(inputs / "two_bad.jsonl", lines)
+    missing = inputs / "missing_policy"
+    reward = f"rl.reward=[exact_match,{inputs}/missing.py:score]"
+    message = _refusal(inputs, reward, f"model.pretrained={missing}", prompts=path)
+    assert message.startswith("Recipe has 4 problems:"), message
+    assert f"rl.reward '{inputs}/missing.py:score': {inputs}/missing.py does not exist" in message
+    assert f"model.pretrained={str(missing)!r}" in message
+    assert f"data: {path}:4 has the fields ['answer', 'question'], and a prompts line needs 'prompt'" in message
+    assert f"data: {path}:6 has no 'answer' field, which the reward (rl.reward) reads; add it" in message
 
 
 def test_a_reward_that_does_not_exist_or_takes_other_arguments_is_refused(inputs: Path) -> None:

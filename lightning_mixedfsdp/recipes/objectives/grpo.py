@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.model.names import is_peft_model, user_class_name
 from lightning_mixedfsdp.recipes.data.chat import cut_at_end_of_turn
 from lightning_mixedfsdp.recipes.data.prompts import PROMPTS, Prompt, PromptCorpus, prompts_problems
 from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
@@ -146,6 +147,36 @@ def reference_log_probs(
         return completion_log_probs(reference, rollout, temperature, vocab)
 
 
+def mismatch_limit(settings: RlSection, precision: str) -> float:
+    """``rl.mismatch_limit``, or the precision's: 1e-3 in fp32 (32-true), 1e-2 in bf16."""
+    if settings.mismatch_limit is not None:
+        return settings.mismatch_limit
+    return 1e-3 if precision == "32-true" else 1e-2
+
+
+def policy_class_name(model: nn.Module) -> str:
+    """The policy's own class (not FSDP's subclass, not peft's wrapper)."""
+    return user_class_name(model.get_base_model() if is_peft_model(model) else model)
+
+
+def check_first_mismatch(mismatch: Tensor, limit: float, model_class: str) -> None:
+    """Raise on every rank when any rank's generator and trainer disagree by more than ``limit`` on the launch's
+    first rollout (the largest over the ranks, all-reduced, so every rank raises together): the rollouts would be
+    another distribution's samples, and the loss's ratios against them would train on noise."""
+    worst = mismatch.detach().float().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if float(worst) > limit:
+        raise RuntimeError(
+            f"GroupRelativePolicyOptimization: on {model_class}, the first rollout's logprob_mismatch (the mean of"
+            f" |p_train / p_generator - 1| over its tokens) is {float(worst):.3g}, above rl.mismatch_limit={limit:g}:"
+            " the generator samples another distribution than the trainer scores, so the rollouts are not the"
+            " policy's. A cache that decodes differently from the model's forward does this (a recurrent state"
+            " fed other inputs than in training); report the model class. Raise rl.mismatch_limit only if the"
+            " difference is the kernels' rounding (bf16)."
+        )
+
+
 class GroupRelativePolicyOptimization(Objective):
     """The policy, its optional reference, and the rollout in use (see the module's docstring)."""
 
@@ -173,6 +204,7 @@ class GroupRelativePolicyOptimization(Objective):
         self.rollout_index = -1
         self.rollout_rewards: Optional[Tensor] = None
         self.first_update = False
+        self.mismatch_checked = False  # the launch's first rollout is checked (check_first_mismatch)
         self.held_out_reward = MeanMetric()
         leave_out_of_checkpoints(self, REFERENCE)
 
@@ -285,6 +317,10 @@ class GroupRelativePolicyOptimization(Objective):
         if self.first_update:
             mismatch = log_prob_mismatch(log_probs.detach(), rollout.generator_log_probs, mask)
             self.log("logprob_mismatch", mismatch, sync_dist=True)
+            if not self.mismatch_checked:
+                limit = mismatch_limit(self.rl, str(self.trainer.precision))
+                check_first_mismatch(mismatch, limit, policy_class_name(self.model))
+                self.mismatch_checked = True
         all_tokens = None
         if settings.loss == "dapo" and dist.is_available() and dist.is_initialized():
             all_tokens = mask.sum().float()
@@ -363,6 +399,8 @@ def rl_setting_problems(settings: RlSection) -> List[str]:
         problems.append(f"rl.beta={settings.beta} must be >= 0 (0: no reference)")
     if settings.generation not in GENERATIONS:
         problems.append(f"rl.generation={settings.generation!r}: use one of {', '.join(GENERATIONS)}")
+    if settings.mismatch_limit is not None and not settings.mismatch_limit > 0:
+        problems.append(f"rl.mismatch_limit={settings.mismatch_limit} must be > 0, or unset for the precision's")
     return problems
 
 

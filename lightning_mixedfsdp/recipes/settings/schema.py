@@ -3,14 +3,14 @@ once, each with its fix."""
 
 import difflib
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_mixedfsdp.config import MixedFSDPConfig, flat_names, group_classes, precision_problem
+from lightning_mixedfsdp.config import MixedFSDPConfig, StorageChoice, flat_names, group_classes, precision_problem
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlamaConfig
 from lightning_mixedfsdp.strategies.intake import STRATEGY_NAME
 
@@ -252,6 +252,11 @@ class RlSection:
     """How rollouts decode: ``gathered`` (each unit all-gathered once per rollout and held until it ends: faster,
     the whole model's params in the compute dtype on every rank) or ``sharded`` (FSDP's all-gathers at every
     decoding step: the memory of training)."""
+    mismatch_limit: Optional[float] = None
+    """The largest ``logprob_mismatch`` a launch's first rollout may have: above it every rank raises, naming the
+    model class and the value, since the rollouts are then not the trained policy's samples (a cache that decodes
+    differently from the model's forward). Unset: 1e-3 under ``trainer.precision: 32-true``, 1e-2 otherwise (bf16
+    kernels round differently one token at a time than over the sequence: 5e-5 to 5e-4 measured)."""
 
 
 @dataclass
@@ -319,7 +324,11 @@ class Recipe:
     monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def mixed_fsdp_config(self) -> MixedFSDPConfig:
-        return MixedFSDPConfig(**{f.name: getattr(self.strategy, f.name) for f in fields(MixedFSDPConfig)})
+        """The strategy section as the strategy's config, its storage as the recipe's precision names it
+        (:func:`recipe_storage`)."""
+        config = MixedFSDPConfig(**{f.name: getattr(self.strategy, f.name) for f in fields(MixedFSDPConfig)})
+        config.dtypes = replace(config.dtypes, storage=recipe_storage(self.trainer.precision, config.dtypes.storage))
+        return config
 
     def strategy_kwargs(self) -> Dict[str, Any]:
         return {
@@ -330,6 +339,14 @@ class Recipe:
     @property
     def world_size(self) -> int:
         return self.trainer.devices * self.trainer.num_nodes
+
+
+def recipe_storage(precision: str, storage: StorageChoice) -> StorageChoice:
+    """The storage a recipe trains in: ``trainer.precision: 32-true`` reads ``storage: auto`` as fp32, since the
+    runner loads the model and a recipe asking for 32-true asks for fp32 params, whatever dtype the checkpoint was
+    saved in. Fabric and the Trainer keep Lightning's meaning of 32-true (the model as it arrives: a user who built
+    it bf16 meant bf16). Any other precision, and ``storage: keep`` (the checkpoint's dtypes), stand as given."""
+    return "fp32" if precision == "32-true" and storage == "auto" else storage
 
 
 def merge_recipe(path: Optional[str], overrides: Sequence[str] = ()) -> Tuple[Recipe, List[str]]:
