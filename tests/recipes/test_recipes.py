@@ -2,6 +2,7 @@
 and the machine, all checked before any process starts. (The main job end to end: ``test_runner.py``.)"""
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import List
@@ -36,6 +37,28 @@ def test_expert_parallel_size_is_a_strategy_key_handed_to_the_strategy() -> None
         RecipeError, match=r"strategy\.parallelism\.expert_parallel_size=3 must divide the data-parallel shard ranks"
     ):
         load_recipe(None, ["trainer.devices=4", "strategy.expert_parallel_size=3"])
+
+
+def test_a_recipe_trains_in_the_precision_it_names(capsys: pytest.CaptureFixture) -> None:
+    from lightning_mixedfsdp.config import resolve_bulk_dtypes
+    from lightning_mixedfsdp.recipes.run.runner import main
+
+    def bulk(*overrides: str) -> tuple:
+        recipe = load_recipe(None, list(overrides), launching=False)
+        dtypes = recipe.strategy_kwargs()["config"].dtypes
+        return resolve_bulk_dtypes(dtypes.storage, dtypes.compute, dtypes.reduce, recipe.trainer.precision)[:2]
+
+    assert bulk("trainer.precision=32-true") == (torch.float32, None)  # fp32 storage, computed in its own dtype
+    assert bulk("trainer.precision=bf16-true") == (torch.bfloat16, torch.bfloat16)
+    assert bulk("trainer.precision=bf16-mixed") == (torch.float32, torch.bfloat16)
+    assert bulk("trainer.precision=32-true", "strategy.dtypes.storage=keep") == (None, None)  # the checkpoint's
+    # Fabric and the Trainer keep Lightning's 32-true: the model as it arrives
+    assert resolve_bulk_dtypes("auto", "auto", "auto", "32-true")[:2] == (None, None)
+    main(["--config", "conf/stdlib_llama.yaml", "--dry-run", "trainer.precision=32-true"])
+    out = capsys.readouterr().out
+    assert "trainer.precision=32-true: the bulk is stored and trained in fp32 (strategy.dtypes.storage=auto)" in out
+    assert "bulk: storage fp32," in out
+    assert re.search(r"\nlayers\.\*\.attention\.wq\.weight x3 +128x128 +fp32 +fp32 +fp32 +sharded", out)
 
 
 def test_a_typo_key_is_rejected_with_a_suggestion(tmp_path: Path) -> None:

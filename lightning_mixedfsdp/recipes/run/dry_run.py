@@ -47,6 +47,7 @@ from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.models.hf import build_hf_model
 from lightning_mixedfsdp.recipes.run.loader import in_recipe_keys, load_recipe
 from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config
+from lightning_mixedfsdp.recipes.settings.schema import recipe_storage
 
 
 def build_on_meta(
@@ -233,6 +234,8 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
             args.freeze = recipe.model.freeze
         if recipe.peft.enabled and args.lora_rank is None:
             args.lora_rank, args.lora_targets = recipe.peft.r, args.lora_targets or list(recipe.peft.target_modules)
+    if args.recipe and args.precision:  # the recipe's storage as the flag's precision reads it
+        config.dtypes = replace(config.dtypes, storage=recipe_storage(args.precision, recipe.strategy.dtypes.storage))
     precision = args.precision or precision
     replicate = args.replicate or replicate
     if args.expert_parallel is not None:

@@ -54,7 +54,7 @@ from lightning_mixedfsdp.recipes.settings.inputs import (
     checkpoint_fp32_patterns,
     reference_model_config,
 )
-from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError
+from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError, recipe_storage
 from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
 from lightning_mixedfsdp.strategies.trainer import MixedFSDP2Strategy
 
@@ -85,6 +85,18 @@ def strategy_config(recipe: Recipe) -> MixedFSDPConfig:
         config.weights.init_meta_params = recipe.peft.enabled
     objective_class(recipe).strategy_needs(recipe, config)
     return config
+
+
+def storage_line(recipe: Recipe) -> str:
+    """What the bulk is stored in and why, for the console and the dry run."""
+    precision, asked = recipe.trainer.precision, recipe.strategy.dtypes.storage
+    storage = recipe_storage(precision, asked)
+    if storage != asked:
+        return (
+            f"trainer.precision={precision}: the bulk is stored and trained in fp32 (strategy.dtypes.storage=auto);"
+            " strategy.dtypes.storage=keep keeps the checkpoint's dtypes"
+        )
+    return f"trainer.precision={precision}, strategy.dtypes.storage={asked}"
 
 
 def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
@@ -151,6 +163,7 @@ def run(recipe: Recipe, checkpoint: Optional[Path] = None, command: str = "") ->
     objective = objective_class(recipe)
     datamodule = objective.data(recipe)
     module = objective.from_recipe(recipe)
+    rank_zero_info(storage_line(recipe))
     if checkpoint is not None:
         rank_zero_info(f"resuming from {checkpoint}")
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(checkpoint) if checkpoint is not None else None)
@@ -225,6 +238,7 @@ def dry_run(recipe: Recipe) -> None:
         models = {"model": build_model(recipe.model, recipe.peft), **objective_class(recipe).other_models(recipe)}
     world, replicate = recipe.world_size, recipe.strategy.parallelism.data_parallel_replicate_size
     config = strategy_config(recipe)
+    print(storage_line(recipe))
     for name, model in models.items():
         plan = plan_sharding(model, config, recipe.trainer.precision)
         muon, rest = split_for_muon(model) if name == "model" and recipe.optimizer.name == "muon" else ([], [])
