@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -103,8 +103,8 @@ def export_model(
     Each tensor is gathered in regions of at most ``chunk_bytes / 2`` on every rank and written by rank 0 into its
     file (files of at most ``max_shard_bytes``) as it comes. The tensors ``plan`` keeps in fp32 (keep-fp32 params,
     fp32 buffers) are written in fp32, every other floating tensor in ``dtype``. An HF model's config is written
-    beside them, so ``from_pretrained(directory)`` loads the export; its ``dtype`` is fp32 when the tensors mix
-    dtypes, so that load keeps every value (:func:`lossless_dtype`). ``also_write(folder)`` adds files of the caller's
+    beside them, so ``from_pretrained(directory)`` loads the export; its ``dtype`` (and each sub-config's) states the
+    bulk's stored dtype (:func:`bulk_dtype`). ``also_write(folder)`` adds files of the caller's
     on rank 0 (a tokenizer) before the commit. A PEFT model is exported merged under the base model's names, each
     layer's adapters folded into its base weight region by region. Returns the written files on rank 0, None
     elsewhere."""
@@ -125,8 +125,7 @@ def export_model(
     def finish(folder: Path) -> None:
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
-            config = copy.deepcopy(config)
-            config.dtype = lossless_dtype(layout.floating_dtypes)
+            config = stating_dtype(config, bulk_dtype(layout.floating_elements))
             config.save_pretrained(str(folder))
         if also_write is not None:
             also_write(folder)
@@ -193,8 +192,13 @@ class _Layout:
         )
 
     @property
-    def floating_dtypes(self) -> List[torch.dtype]:
-        return [dtype for t, dtype in zip(self.tensors, self.dtypes, strict=True) if t.dtype.is_floating_point]
+    def floating_elements(self) -> Dict[torch.dtype, int]:
+        """How many floating elements are written in each dtype."""
+        counts: Dict[torch.dtype, int] = {}
+        for t, dtype in zip(self.tensors, self.dtypes, strict=True):
+            if t.dtype.is_floating_point:
+                counts[dtype] = counts.get(dtype, 0) + math.prod(t.shape)
+        return counts
 
     def write(
         self,
@@ -294,14 +298,25 @@ def _file_groups(sizes: Sequence[int], max_shard_bytes: int) -> List[List[int]]:
     return groups
 
 
-def lossless_dtype(floating: Iterable[torch.dtype]) -> Optional[torch.dtype]:
-    """The one dtype every floating tensor of these dtypes loads into exactly: theirs if they share one, else fp32.
-    Written as the HF config's ``dtype``: ``from_pretrained(directory)`` (``dtype="auto"``) casts every tensor to it,
-    so with the export's bf16 dtype it would round the fp32 norms to bf16."""
-    dtypes = set(floating)
-    if len(dtypes) <= 1:
-        return dtypes.pop() if dtypes else None
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+def bulk_dtype(elements: Mapping[torch.dtype, int]) -> Optional[torch.dtype]:
+    """The dtype most of the export's floating elements are stored in (``elements``: how many in each), written as
+    the HF config's ``dtype``: ``from_pretrained(directory, dtype="auto")`` and serving engines build the model in
+    it. The keep-fp32 tensors (norms, ``A_log``) are few: an export stored in bf16 with fp32 norms is a bf16 model,
+    and fp32 there would build the whole model at twice its memory. Their fp32 values stay in the files, named in
+    the manifest; ``load_export`` and ``load_weights`` keep them fp32."""
+    return max(elements, key=lambda dtype: elements[dtype]) if elements else None
+
+
+def stating_dtype(config: Any, dtype: Optional[torch.dtype]) -> Any:
+    """A copy of an HF ``config`` whose ``dtype`` is ``dtype``, and so is each sub-config's (a composite model's
+    ``text_config`` and ``vision_config``: transformers sets neither when the top level's is set)."""
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    for name in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "dtype"):
+            sub.dtype = dtype
+    return config
 
 
 def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]]:

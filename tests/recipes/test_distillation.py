@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from lightning_mixedfsdp.testing import run_distributed
+from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.second_model import TEACHER_VOCAB, equal_to_one_process, make_llama_folder
 
 STUDENT = (
@@ -225,6 +226,7 @@ def test_checkpoints_and_exports_hold_the_student_alone(runs: Dict[str, Any]) ->
     export = _export(straight)
     assert export["model.embed_tokens.weight"].shape == (256, 32)  # the student's, not the teacher's (272, 64)
     assert json.loads((straight / "export" / "config.json").read_text())["hidden_size"] == 32
+    assert_the_export_states_its_dtype(straight / "export", torch.float32)  # output.export_dtype=fp32
 
 
 def test_the_csv_log_holds_both_losses_and_both_perplexities(runs: Dict[str, Any]) -> None:

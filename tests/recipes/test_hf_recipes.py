@@ -19,6 +19,7 @@ from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.hf_models import tiny_config
 from tests.launch_together import run_together
+from tests.recipes.exports import assert_the_export_states_its_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = (Path(json.__file__).read_text(encoding="utf-8") * 3).split("\n\n")
@@ -180,6 +181,14 @@ def test_jsonl_data_with_a_local_hf_tokenizer_trains_and_the_export_carries_the_
         assert torch.equal(loaded[name], value.float()), name
 
 
+def test_a_fine_tuned_bf16_folders_export_says_bfloat16_as_its_input_did(
+    finetuned: Dict[str, Any], pretrained_dir: Path
+) -> None:
+    assert json.loads((pretrained_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    export = finetuned["output"] / "export"
+    assert_the_export_states_its_dtype(export, torch.bfloat16, trust_remote_code=True)
+
+
 @pytest.mark.parametrize("recipe", SHIPPED)
 def test_shipped_hf_recipe_trains_and_exports_what_it_trained(launches: Dict[str, Any], recipe: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -188,9 +197,9 @@ def test_shipped_hf_recipe_trains_and_exports_what_it_trained(launches: Dict[str
     assert "held-out perplexity" in out and "mixed_fsdp2 dtype plan" in out
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert exported["model.norm.weight"].dtype == torch.float32
-    # config.json says float32 (the export mixes dtypes), so a plain load keeps every value
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "float32"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    # config.json says what the bulk is stored in (bf16), merged LoRA included; an fp32 load keeps every value
+    assert_the_export_states_its_dtype(tmp_path / "export", torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).state_dict()
     if recipe == "hf_qwen3_next_tiny":
         from lightning_mixedfsdp.recipes.run.hf_export import load_export
 

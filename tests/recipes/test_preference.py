@@ -20,6 +20,7 @@ from lightning_mixedfsdp.recipes.objectives.preference import preference_scores
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import DataSection, RecipeError
 from lightning_mixedfsdp.testing import run_distributed
+from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.second_model import equal_to_one_process, make_llama_folder
 
 STEPS, BATCH = 3, 2
@@ -238,6 +239,7 @@ def test_the_reference_is_sharded_frozen_and_out_of_the_optimizer_checkpoint_and
     saved = list(FileSystemReader(str(straight / "checkpoints" / "last.ckpt")).read_metadata().state_dict_metadata)
     assert any(key.startswith("state_dict.model.") for key in saved) and not any("reference" in k for k in saved)
     assert _export(straight).keys() == _export(runs["folder"] / "one_process").keys()
+    assert_the_export_states_its_dtype(straight / "export", torch.float32)  # output.export_dtype=fp32
 
 
 def test_the_csv_log_holds_the_rewards_in_training_and_on_the_held_out_pairs(runs: Dict[str, Any]) -> None:

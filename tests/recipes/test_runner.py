@@ -5,6 +5,7 @@ console log). Refusals that happen before any process starts run in this process
 (nothing may start for them)."""
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -150,6 +151,7 @@ def test_the_export_loads_with_from_pretrained_and_equals_the_trained_model(runs
     saved = load_file(str(export / "model.safetensors"))
     assert saved["layers.1.attention.A_log"].dtype == saved["layers.0.attention_norm.weight"].dtype == torch.float32
     assert saved["output.weight"].dtype == torch.bfloat16
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
     # a plain load: bf16 bulk from the config, the export's fp32 tensors kept fp32, every value as trained
     model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True)
     state = model.state_dict()

@@ -18,6 +18,7 @@ from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.hf_models import COMMON
 from tests.launch_together import run_together
+from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.test_hf_recipes import train
 
 ROWS = 48
@@ -123,6 +124,11 @@ def test_a_llava_folder_fine_tunes_with_its_tower_frozen_and_exports_with_its_pr
     model = AutoModelForImageTextToText.from_pretrained(export)
     processor = AutoProcessor.from_pretrained(export)
     assert type(model).__name__ == "LlavaForConditionalGeneration" and type(processor).__name__ == "LlavaProcessor"
+    # config.json and its text_config and vision_config say bfloat16, the bulk's storage, tower included
+    image = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[IMAGE_TOKEN_ID] * 16 + list(range(3, 11))])
+    inputs = {"input_ids": ids, "pixel_values": image}
+    assert_the_export_states_its_dtype(export, torch.bfloat16, inputs, AutoModelForImageTextToText)
 
 
 def test_lora_adapts_the_language_model_and_never_the_tower(
