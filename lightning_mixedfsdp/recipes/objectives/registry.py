@@ -46,6 +46,22 @@ def objective_class(recipe: Recipe) -> Type[Objective]:
 def objective_problems(recipe: Recipe) -> List[str]:
     """An unknown ``objective``, one that does not train the data's format, keys that ask for another objective, and
     what the objective needs of the recipe, each with the fix."""
+    unresolved = unresolved_objective_problems(recipe)
+    if unresolved:
+        return unresolved
+    name = objective_name(recipe)
+    problems = [
+        f"{key} asks for objective {other!r}, and objective={name!r}; leave objective unset, or remove {key}"
+        for other, objective in OBJECTIVES.items()
+        if recipe.objective is not None and other != name and (key := objective.asked_for(recipe)) is not None
+    ]
+    return problems + OBJECTIVES[name].recipe_problems(recipe)
+
+
+def unresolved_objective_problems(recipe: Recipe) -> List[str]:
+    """Why no objective trains the recipe's model and data: an unknown ``objective``, one that does not train the
+    data's format, or an image-text model under another objective than ``vision_sft``. Empty: the objective's own
+    checks (its data's, its settings') can run."""
     name = recipe.objective
     image_text = model_key(recipe)
     chosen = name if name is not None else objective_name(recipe)
@@ -56,7 +72,7 @@ def objective_problems(recipe: Recipe) -> List[str]:
             " (and remove teacher.pretrained / the preference data), or train a causal LM"
         ]
     if name is None:
-        return OBJECTIVES[objective_name(recipe)].recipe_problems(recipe)
+        return []
     if name not in OBJECTIVES:
         close = difflib.get_close_matches(name, list(OBJECTIVES), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
@@ -71,9 +87,4 @@ def objective_problems(recipe: Recipe) -> List[str]:
             f"objective={name!r} trains on {' or '.join(formats)} data, and data.format resolves to {data_format!r};"
             f" point data.files at {' or '.join(formats)} records, or set objective to one of {fitting}"
         ]
-    problems = [
-        f"{key} asks for objective {other!r}, and objective={name!r}; leave objective unset, or remove {key}"
-        for other, objective in OBJECTIVES.items()
-        if other != name and (key := objective.asked_for(recipe)) is not None
-    ]
-    return problems + OBJECTIVES[name].recipe_problems(recipe)
+    return []

@@ -10,11 +10,16 @@ from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
 from lightning_mixedfsdp.fault_tolerance.session import missing_lighthouse
 from lightning_mixedfsdp.mesh import ParallelDims
 from lightning_mixedfsdp.recipes.objectives.objective import build_model
-from lightning_mixedfsdp.recipes.objectives.registry import objective_class, objective_problems
+from lightning_mixedfsdp.recipes.objectives.registry import (
+    objective_class,
+    objective_problems,
+    unresolved_objective_problems,
+)
 from lightning_mixedfsdp.recipes.settings.inputs import (
     input_problems,
     package_problems,
     reference_model_config,
+    resolved_format,
 )
 from lightning_mixedfsdp.recipes.settings.schema import (
     PeftSection,
@@ -38,8 +43,9 @@ def load_recipe(
     at its own ``--world-size`` and size flags and checks those itself)."""
     recipe, problems = merge_recipe(path, overrides)
     fields_valid = not problems
+    meshes = mesh_problems(recipe) if parallel else []
+    problems += meshes
     if parallel:
-        problems += mesh_problems(recipe)
         problems += mixer_layer_problems(recipe)
     if fields_valid:
         inputs = input_problems(recipe)
@@ -52,8 +58,10 @@ def load_recipe(
             problems += accelerator_problems(recipe.trainer)
             problems += strategy_problems(recipe)
             problems += package_problems(recipe)
-    if not problems and launching:  # reading the data needs valid files and tokenizer
-        problems += training_data_problems(recipe)
+        # the data is read with the rest's problems still to fix (a reward file, a setting, a model folder): every
+        # problem at once, once its files, tokenizer, objective and ranks are known
+        if launching and data_readable(recipe, inputs) and not meshes and not unresolved_objective_problems(recipe):
+            problems += training_data_problems(recipe)
     if len(problems) == 1:
         raise RecipeError(f"Recipe has 1 problem: {problems[0]}")
     if problems:
@@ -138,6 +146,15 @@ def model_context_parallel_problems(recipe: Recipe) -> List[str]:
         ]
     built = build_model(model, PeftSection())  # on the meta device; adapters change no sequence mixer
     return [f"{key}: {in_recipe_keys(problem)}" for problem in context_parallel_problems(built, context)]
+
+
+def data_readable(recipe: Recipe, inputs: List[str]) -> bool:
+    """Whether the data can be read despite these problems with the recipe's inputs: its files and tokenizer are
+    right (no ``data`` problem), and image-text rows, which the model folder's processor reads, have a right model
+    folder."""
+    if any(problem.startswith("data") for problem in inputs):
+        return False
+    return resolved_format(recipe.data) != "vision" or not any(problem.startswith("model") for problem in inputs)
 
 
 def training_data_problems(recipe: Recipe) -> List[str]:
