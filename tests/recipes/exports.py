@@ -20,10 +20,11 @@ def assert_the_export_states_its_dtype(
     trust_remote_code: bool = False,
 ) -> None:
     """``export``'s config says ``dtype``, as do its sub-configs; loaded with ``dtype="auto"`` most of its params are
-    ``dtype``; its logits on ``inputs`` (default: 24 token ids) equal the exact weights' (the same files loaded in
-    fp32) within rtol 1.6e-2 / atol 1e-2, with the same greedy tokens where the exact top two are apart by more than
-    that distance. ``auto_class``: AutoModelForCausalLM unless
-    given."""
+    ``dtype``; its logits on ``inputs`` (default: 24 token ids) equal the trained model's within rtol 1.6e-2 / atol
+    1e-2, with the same greedy tokens where the trained model's top two are further apart than that. The trained
+    model: a causal LM as ``load_export`` builds it (each tensor in the dtype the export holds it in, fp32 norms
+    computing in fp32); another ``auto_class`` (an image-text model) from the same files in fp32. A MoE's routing
+    in fp32 compute can differ from bf16's, which is why the reference computes as training did."""
     from transformers import AutoModelForCausalLM
 
     config = json.loads((export / "config.json").read_text())
@@ -37,13 +38,18 @@ def assert_the_export_states_its_dtype(
     for param in built.parameters():
         elements[param.dtype] = elements.get(param.dtype, 0) + param.numel()
     assert max(elements, key=lambda d: elements[d]) == dtype, elements
-    exact = auto_class.from_pretrained(export, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    if auto_class is AutoModelForCausalLM:  # the trained model: each tensor in the dtype it was trained in
+        from lightning_mixedfsdp.recipes.run.hf_export import load_export
+
+        exact = load_export(export, dtype, trust_remote_code=trust_remote_code)
+    else:  # (load_export builds causal LMs only) the stored weights in fp32
+        exact = auto_class.from_pretrained(export, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     if inputs is None:
         vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
         inputs = {"input_ids": torch.arange(24).remainder(min(vocab, 256))[None]}
     with torch.no_grad():
         stored = built(**inputs).logits.float()
-        reference = exact(**inputs).logits
+        reference = exact(**inputs).logits.float()
     torch.testing.assert_close(stored, reference, rtol=1.6e-2, atol=1e-2)
     # the same greedy token wherever the exact weights' top two logits are further apart than the rounding
     top = reference.topk(2, dim=-1).values

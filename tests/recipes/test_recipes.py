@@ -61,6 +61,23 @@ def test_a_recipe_trains_in_the_precision_it_names(capsys: pytest.CaptureFixture
     assert re.search(r"\nlayers\.\*\.attention\.wq\.weight x3 +128x128 +fp32 +fp32 +fp32 +sharded", out)
 
 
+def test_every_runner_command_in_readme_names_a_shipped_recipe_with_keys_it_takes() -> None:
+    import shlex
+
+    from lightning_mixedfsdp.recipes.settings.schema import merge_recipe
+
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"python -m lightning_mixedfsdp\.train ([^`&\n]*)", readme)
+    assert len(commands) >= 8
+    for command in commands:
+        args = shlex.split(command)
+        recipe_file = args[args.index("--config") + 1]
+        assert (ROOT / recipe_file).is_file(), command
+        overrides = [arg for arg in args if "=" in arg]
+        _, problems = merge_recipe(str(ROOT / recipe_file), overrides)
+        assert not problems, (command, problems)
+
+
 def test_a_typo_key_is_rejected_with_a_suggestion(tmp_path: Path) -> None:
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("trainer:\n  max_step: 40\n")

@@ -8,8 +8,9 @@ How each export loads (docs/recipes.md, "Loading the exports"):
 - the main job (reference model): ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``; the config
   names the export's fp32 tensors, the model class keeps exactly those fp32 (``_keep_in_fp32_modules_strict``) and
   the rest in the config's ``dtype`` (bf16);
-- an HF model: ``from_pretrained(dir)`` loads everything in fp32 (the config's ``dtype`` when the export mixes
-  dtypes), exactly; ``load_export(dir)`` keeps the bf16 tensors bf16 and the fp32 ones fp32, as trained.
+- an HF model: ``from_pretrained(dir)`` builds it in the config's ``dtype``, the bulk's stored dtype (bf16: its
+  fp32 norms load as bf16 unless the class keeps them fp32); ``from_pretrained(dir, dtype=torch.float32)`` loads
+  every value exactly; ``load_export(dir)`` keeps the bf16 tensors bf16 and the fp32 ones fp32, as trained.
 """
 
 import json

@@ -150,11 +150,13 @@ def model_context_parallel_problems(recipe: Recipe) -> List[str]:
 
 def data_readable(recipe: Recipe, inputs: List[str]) -> bool:
     """Whether the data can be read despite these problems with the recipe's inputs: its files and tokenizer are
-    right (no ``data`` problem), and image-text rows, which the model folder's processor reads, have a right model
-    folder."""
+    right (no ``data`` problem), and a model folder with problems lends it nothing: the byte tokenizer reads text
+    rows (a tokenizer folder, often the model's own, and image-text rows' processor come from a folder)."""
     if any(problem.startswith("data") for problem in inputs):
         return False
-    return resolved_format(recipe.data) != "vision" or not any(problem.startswith("model") for problem in inputs)
+    if not any(problem.startswith("model") for problem in inputs):
+        return True
+    return recipe.data.tokenizer == "bytes" and resolved_format(recipe.data) != "vision"
 
 
 def training_data_problems(recipe: Recipe) -> List[str]:
