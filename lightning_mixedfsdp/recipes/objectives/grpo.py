@@ -13,7 +13,8 @@ token at a time, one forward over the sequence), and the importance ratio amplif
 ``rl.fp32_head`` (the default) the output head is in ``dtypes.fp32_compute_modules``: stored and sharded in bf16,
 its matmul and the logits in fp32 in both places, a tied embedding untouched. ``logprob_mismatch`` logs the
 difference: the mean over completion tokens of ``|exp(train - generator) - 1|``, from the first training forward
-on each rollout.
+on each rollout; a launch's first rollout above ``rl.mismatch_limit`` raises on every rank (a generator that samples
+another distribution than the trainer scores must not train quietly).
 
 Rollouts decode on the sharded model (``rl.generation``): ``gathered`` all-gathers each unit once per rollout and
 holds the whole model for its length (``apply/gathered.py``); ``sharded`` keeps FSDP's per-forward all-gathers, and
