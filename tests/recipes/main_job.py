@@ -32,8 +32,8 @@ OVERRIDES = [
 """17 held-out windows on 2 ranks of batch 8: split 9/8, rank 0 would run a second FSDP forward rank 1 never joins
 (a hang); each rank evaluates 8."""
 TINY = ["--config", RECIPE, *OVERRIDES]
-MUON = ["optimizer.name=muon", "trainer.max_steps=20", "trainer.checkpoint_every_n_steps=0"]
-"""The main job with Muon for the blocks' matrices beside AdamW (``test_muon_recipe.py``)."""
+MUON = ["optimizer.name=muon", "optimizer.muon_lr=0.05", "trainer.max_steps=20", "trainer.checkpoint_every_n_steps=0"]
+"""The main job with Muon for the blocks' matrices beside AdamW (``test_muon_recipe.py``), at a Muon lr of its own."""
 PROBE = Path(re.__file__).read_bytes()[:64]
 
 

@@ -23,6 +23,17 @@ def test_the_main_job_with_muon_names_the_split_and_learns(main_job: Dict[str, A
     assert "Traceback" not in out
 
 
+def test_muons_matrices_train_at_muon_lr_on_the_schedule(main_job: Dict[str, Any]) -> None:
+    from lightning_mixedfsdp.recipes.objectives.objective import warmup_cosine
+    from lightning_mixedfsdp.recipes.run.plot import read_metrics
+
+    # the logged lr is the first param group's, Muon's: optimizer.muon_lr=0.05 on the schedule, not AdamW's 0.01
+    logged = read_metrics(main_job["whole"].parent / "muon" / "logs")["lr"]
+    assert len(logged) == 20
+    for step, lr in logged.items():
+        assert lr == pytest.approx(0.05 * warmup_cosine(step, 20, 20), rel=1e-6), step
+
+
 def test_the_dry_run_says_which_optimizer_each_param_gets_and_counts_one_state_for_muon(capsys: Any) -> None:
     from lightning_mixedfsdp.recipes.run.runner import main
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_mixedfsdp.apply.context_parallel import ContextParallel
-from lightning_mixedfsdp.apply.muon import muon_with_adamw, split_summary
+from lightning_mixedfsdp.apply.muon import MUON_KEY, muon_with_adamw, split_summary
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
@@ -203,14 +203,15 @@ class Objective(pl.LightningModule, ABC):
         ``max_steps``, as the data order is of the step: a resumed run restores the scheduler's step, and a run
         extended with a larger ``max_steps`` continues on the cosine planned to the new end (the LR rises from
         where the shorter schedule left it to the new curve's value at this step). The checkpoint's optimizer and
-        scheduler hold the old run's rates; set them from the plan."""
+        scheduler hold the old run's rates; set them from the plan: each group's own peak (Muon's groups
+        ``muon_lr``, the rest ``lr``)."""
         optimizer = self.trainer.optimizers[0]
         scheduler = self.trainer.lr_scheduler_configs[0].scheduler
         plan = self.schedule
         factor = warmup_cosine(self.global_step, plan.warmup_steps, plan.max_steps)
-        scheduler.base_lrs = [plan.lr for _ in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = plan.lr * factor
+        scheduler.base_lrs = [plan.muon_lr if group.get(MUON_KEY) else plan.lr for group in optimizer.param_groups]
+        for group, peak in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = peak * factor
 
     @override
     def training_step(self, batch: Any, _: int) -> Tensor:
