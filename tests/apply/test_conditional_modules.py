@@ -14,7 +14,7 @@ from lightning_mixedfsdp.compat.torch import can_reduce_unused_params
 from lightning_mixedfsdp.planning.conditional import conditional_trainable
 from lightning_mixedfsdp.testing import run_distributed
 from tests.hf_models import tiny_vlm, vlm_row
-from tests.scenarios import describe_params, full_params, make_fabric
+from tests.scenarios import NEEDS_UNUSED_REDUCTION, describe_params, full_params, make_fabric
 
 WORLD = 2
 IMAGES: List[Tuple[bool, ...]] = [(True, False), (False, True), (True, True), (False, False)]
@@ -69,13 +69,6 @@ def one_process(model_type: str) -> Dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return {n: p.detach() for n, p in model.named_parameters()}
-
-
-NEEDS_UNUSED_REDUCTION = pytest.mark.skipif(
-    not can_reduce_unused_params(),
-    reason=f"torch {torch.__version__} lacks FSDPModule.set_reduce_scatter_unused_params: a trainable projector is"
-    " refused at setup (test_setup_refuses_a_trainable_projector_on_a_torch_without_unused_param_reduction)",
-)
 
 
 @pytest.fixture(scope="module")

@@ -305,23 +305,29 @@ def _resume(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]
     return {"straight": straight["train_loss"], "resumed": resumed["train_loss"], "composed": composed, "kl": straight}
 
 
+def _forgetful_step(model: nn.Module, input_ids: torch.Tensor, *_: Any) -> Tuple[torch.Tensor, Any]:
+    """A decoding step whose state cache keeps nothing: after the prompt, each token sees only itself (a cache that
+    decodes differently from the model's forward, on every transformers version)."""
+    return model(input_ids=input_ids[:, -1:]).logits, "a state that holds nothing"
+
+
 def _mamba(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
     """GRPO on an HF Mamba (Mamba-1) under 32-true: its generator decodes without a cache, the trainer's forward, so
-    the mismatch is rounding; then the same run with its cache as an attention model decodes (the generator that
-    sampled another distribution): the launch's first rollout raises on every rank, naming the class and the value."""
+    the mismatch is rounding; then the same run with a broken state cache (the generator that samples another
+    distribution): the launch's first rollout raises on every rank, naming the class and the value."""
     from lightning_mixedfsdp.recipes.rl import rollouts
 
     where, fp32 = Path(folder), ["trainer.precision=32-true"]
     out: Dict[str, Any] = {"exact": _runner(where, policy, prompts, 2, "mamba", extra=fp32)}
-    decodes_with_cache = rollouts.decodes_with_cache
-    rollouts.decodes_with_cache = lambda model: True  # type: ignore[assignment]
+    decodes_with_cache, cached_step = rollouts.decodes_with_cache, rollouts.cached_step
+    rollouts.decodes_with_cache, rollouts.cached_step = (lambda model: True), _forgetful_step  # type: ignore[assignment]
     try:
         _runner(where, policy, prompts, 2, "mamba_cached", extra=fp32)
         out["refused"] = None
     except RuntimeError as error:
         out["refused"] = str(error)
     finally:
-        rollouts.decodes_with_cache = decodes_with_cache
+        rollouts.decodes_with_cache, rollouts.cached_step = decodes_with_cache, cached_step
     return out
 
 

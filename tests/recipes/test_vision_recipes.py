@@ -20,6 +20,7 @@ from tests.hf_models import COMMON
 from tests.launch_together import run_together
 from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.test_hf_recipes import train
+from tests.scenarios import NEEDS_UNUSED_REDUCTION
 
 ROWS = 48
 TOWER = "model.vision_tower."
@@ -104,6 +105,7 @@ def tensors(folder: Path) -> Dict[str, torch.Tensor]:
     return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
+@NEEDS_UNUSED_REDUCTION
 def test_a_llava_folder_fine_tunes_with_its_tower_frozen_and_exports_with_its_processor(
     runs: Dict[str, Any], llava_folder: Dict[str, Path]
 ) -> None:
@@ -131,6 +133,7 @@ def test_a_llava_folder_fine_tunes_with_its_tower_frozen_and_exports_with_its_pr
     assert_the_export_states_its_dtype(export, torch.bfloat16, inputs, AutoModelForImageTextToText)
 
 
+@NEEDS_UNUSED_REDUCTION
 def test_lora_adapts_the_language_model_and_never_the_tower(
     runs: Dict[str, Any], llava_folder: Dict[str, Path]
 ) -> None:
@@ -270,6 +273,7 @@ def test_distilling_an_image_text_model_is_refused(llava_folder: Dict[str, Path]
     assert "names an image-text model, which trains with objective 'vision_sft'" in message
 
 
+@NEEDS_UNUSED_REDUCTION
 @pytest.mark.parametrize(
     ("model_type", "tower", "projector"),
     [
