@@ -6,8 +6,9 @@ decoding on ranks whose completions end at different lengths (gathered and shard
 model's greedy tokens, followed by a training step; ``dtypes.fp32_compute_modules`` on an untied and a tied head under
 bf16-true (the logits an fp32 matmul of the bf16 weight, the storage bf16 and sharded, a tied embedding's lookup
 bf16); the generator-trainer mismatch with the head in bf16 and in fp32; and the recipe through the runner: a straight
-run, and a run stopped at step 2 and resumed, whose losses repeat the straight run's. Each refusal runs here, before
-any launch."""
+run, and a run stopped at step 2 and resumed, whose losses repeat the straight run's; a bf16 Mamba checkpoint under
+32-true (trained in fp32, sampling what the trainer scores), and with a broken state cache (every rank refuses the
+first rollout). Each refusal runs here, before any launch."""
 
 import json
 import math
