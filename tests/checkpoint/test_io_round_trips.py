@@ -121,11 +121,17 @@ def test_from_pretrained_of_an_export_gives_the_trained_models_logits(runs: Dict
 
     folder = runs["folder"] / case
     trained = runs["trained"][case]
-    # transformers' own load: the config's lossless dtype (fp32), every value of the export exact
+    # transformers' own load: the config states the bulk's stored dtype, bf16 (the norms load bf16 there)
     plain = AutoModelForCausalLM.from_pretrained(folder)
-    assert plain.model.norm.weight.dtype == torch.float32
+    assert plain.config.dtype == torch.bfloat16 and plain.model.norm.weight.dtype == torch.bfloat16
     with torch.no_grad():
-        logits = plain(input_ids=PROBE).logits
+        logits = plain(input_ids=PROBE).logits.float()
+    torch.testing.assert_close(logits, trained, rtol=0.05, atol=0.05)  # bf16 norms against the trained fp32 ones
+    # in fp32, every value of the export exact
+    exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert exact.model.norm.weight.dtype == torch.float32
+    with torch.no_grad():
+        logits = exact(input_ids=PROBE).logits
     torch.testing.assert_close(logits, trained, rtol=0.05, atol=0.05)  # fp32 compute against the trained bf16
     # in the export's own dtypes (bf16 bulk, fp32 norms), as trained
     with torch.no_grad():
