@@ -148,6 +148,15 @@ def reference_log_probs(
         return completion_log_probs(reference, rollout, temperature, vocab)
 
 
+def all_ranks_tokens(mask: Tensor) -> Optional[Tensor]:
+    """The completion tokens of every rank's rollout (DAPO's denominator); None in one process."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    tokens = mask.sum().float()
+    dist.all_reduce(tokens)
+    return tokens
+
+
 def mismatch_limit(settings: RlSection, precision: str) -> float:
     """``rl.mismatch_limit``, or the precision's: 1e-3 in fp32 (32-true), 1e-2 in bf16."""
     if settings.mismatch_limit is not None:
@@ -160,10 +169,12 @@ def policy_class_name(model: nn.Module) -> str:
     return user_class_name(model.get_base_model() if is_peft_model(model) else model)
 
 
-def check_first_mismatch(mismatch: Tensor, limit: float, model_class: str) -> None:
-    """Raise on every rank when any rank's generator and trainer disagree by more than ``limit`` on the launch's
-    first rollout (the largest over the ranks, all-reduced, so every rank raises together): the rollouts would be
-    another distribution's samples, and the loss's ratios against them would train on noise."""
+def check_first_mismatch(mismatch: Tensor, settings: RlSection, precision: str, policy: nn.Module) -> bool:
+    """Raise on every rank when any rank's generator and trainer disagree by more than the limit
+    (:func:`mismatch_limit`) on the launch's first rollout (the largest over the ranks, all-reduced, so every rank
+    raises together): the rollouts would be another distribution's samples, and the loss's ratios against them would
+    train on noise. True once checked."""
+    limit, model_class = mismatch_limit(settings, precision), policy_class_name(policy)
     worst = mismatch.detach().float().clone()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -176,6 +187,7 @@ def check_first_mismatch(mismatch: Tensor, limit: float, model_class: str) -> No
             " fed other inputs than in training); report the model class. Raise rl.mismatch_limit only if the"
             " difference is the kernels' rounding (bf16)."
         )
+    return True
 
 
 class GroupRelativePolicyOptimization(Objective):
@@ -205,7 +217,7 @@ class GroupRelativePolicyOptimization(Objective):
         self.rollout_index = -1
         self.rollout_rewards: Optional[Tensor] = None
         self.first_update = False
-        self.mismatch_checked = False  # the launch's first rollout is checked (check_first_mismatch)
+        self.mismatch_checked = False
         self.held_out_reward = MeanMetric()
         leave_out_of_checkpoints(self, REFERENCE)
 
@@ -318,14 +330,9 @@ class GroupRelativePolicyOptimization(Objective):
         if self.first_update:
             mismatch = log_prob_mismatch(log_probs.detach(), rollout.generator_log_probs, mask)
             self.log("logprob_mismatch", mismatch, sync_dist=True)
-            if not self.mismatch_checked:
-                limit = mismatch_limit(self.rl, str(self.trainer.precision))
-                check_first_mismatch(mismatch, limit, policy_class_name(self.model))
-                self.mismatch_checked = True
-        all_tokens = None
-        if settings.loss == "dapo" and dist.is_available() and dist.is_initialized():
-            all_tokens = mask.sum().float()
-            dist.all_reduce(all_tokens)
+            if not self.mismatch_checked:  # the launch's first rollout
+                self.mismatch_checked = check_first_mismatch(mismatch, self.rl, str(self.trainer.precision), self.model)
+        all_tokens = all_ranks_tokens(mask) if settings.loss == "dapo" else None
         model, reference, vocab = self.model, self.reference, self._vocab()
         reference_probs = reference_log_probs(
             self.reference_kind, model, reference, rollout, settings.temperature, vocab

@@ -238,7 +238,6 @@ def dry_run(recipe: Recipe) -> None:
         models = {"model": build_model(recipe.model, recipe.peft), **objective_class(recipe).other_models(recipe)}
     world, replicate = recipe.world_size, recipe.strategy.parallelism.data_parallel_replicate_size
     config = strategy_config(recipe)
-    print(storage_line(recipe))
     for name, model in models.items():
         plan = plan_sharding(model, config, recipe.trainer.precision)
         muon, rest = split_for_muon(model) if name == "model" and recipe.optimizer.name == "muon" else ([], [])
@@ -253,6 +252,7 @@ def dry_run(recipe: Recipe) -> None:
             print(split_lines(muon, rest))
             print()
         print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
+    print(storage_line(recipe))
 
 
 def run_folder(recipe: Recipe) -> RunFolder:
