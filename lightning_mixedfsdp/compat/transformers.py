@@ -6,6 +6,7 @@ Checked on transformers 5.23 and 5.24 (``transformers/distributed/expert_paralle
 when called.
 """
 
+import functools
 import re
 from typing import Any, Callable, Dict, Optional
 
@@ -93,9 +94,11 @@ def decodes_with_cache(model: nn.Module) -> bool:
     return not bool(getattr(model, "_is_stateful", False))
 
 
+@functools.lru_cache(maxsize=None)
 def cache_keyword() -> str:
     """The name of the decoding cache, in a causal LM's arguments and in its output: ``cache`` from transformers 5.24
-    on, ``past_key_values`` before (5.23). Read off ``CausalLMOutputWithPast``'s fields, not the version."""
+    on, ``past_key_values`` before (5.23). Read off ``CausalLMOutputWithPast``'s fields, not the version; once per
+    process (every decoding step asks)."""
     from dataclasses import fields
 
     from transformers.modeling_outputs import CausalLMOutputWithPast
