@@ -24,7 +24,7 @@ from benchmarks.baselines import shard_uniform
 from benchmarks.common import device_type, init_process_group, synchronize, training_state_bytes
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.pipeline import shard_model
+from lightning_mixedfsdp.model_setup import shard_model
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.testing import run_distributed
 

@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import device_type, init_process_group, local_bytes, synchronize, training_state_bytes
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.pipeline import shard_model
+from lightning_mixedfsdp.model_setup import shard_model
 from lightning_mixedfsdp.testing import run_distributed
 
 RESULTS = Path(__file__).resolve().parent / "results"

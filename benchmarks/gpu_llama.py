@@ -88,7 +88,7 @@ def build(setup: str, config: Dict[str, Any], mode: str, device: torch.device) -
 
     from lightning_mixedfsdp import MixedFSDPConfig
     from lightning_mixedfsdp.mesh import build_parallel_meshes
-    from lightning_mixedfsdp.pipeline import shard_model
+    from lightning_mixedfsdp.model_setup import shard_model
 
     torch.manual_seed(0)
     hf_config = LlamaConfig(**config, use_cache=False, attn_implementation="sdpa")

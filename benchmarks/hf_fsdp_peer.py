@@ -23,7 +23,7 @@ from benchmarks.common import device_type, init_process_group, synchronize
 from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.collectives import count_collectives
 from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.pipeline import shard_model
+from lightning_mixedfsdp.model_setup import shard_model
 from lightning_mixedfsdp.testing import run_distributed
 
 

@@ -19,7 +19,7 @@ from lightning_mixedfsdp import MixedFSDPConfig
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.compat.extras import missing_message
 from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.pipeline import shard_model
+from lightning_mixedfsdp.model_setup import shard_model
 from lightning_mixedfsdp.recipes.data.text import ConsecutiveWindows, RandomWindows, split_corpus, stdlib_files
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig, causal_lm_loss
 from lightning_mixedfsdp.recipes.objectives.objective import warmup_cosine

@@ -1,8 +1,8 @@
 """Mixed-dtype FSDP2 for Lightning: ``Fabric(strategy="mixed_fsdp2")``.
 
 Importing the package registers ``"mixed_fsdp2"`` with Fabric's and the Trainer's strategy registries when Lightning
-is installed. The torch-only layers (config, model, planning, mesh, apply, materialize, pipeline, checkpoint) import
-without it.
+is installed. The torch-only layers (config, model, planning, mesh, apply, materialize, model_setup, pipelining,
+checkpoint) import without it.
 """
 
 import logging

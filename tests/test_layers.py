@@ -29,7 +29,7 @@ dist.init_process_group("gloo")
 
 from lightning_mixedfsdp import MixedFSDPConfig, clip_grad_norm_, format_plan
 from lightning_mixedfsdp.mesh import build_parallel_meshes
-from lightning_mixedfsdp.pipeline import shard_model
+from lightning_mixedfsdp.model_setup import shard_model
 
 
 class Block(nn.Module):

@@ -12,7 +12,7 @@ ENTRY_POINTS = {
     "lightning_mixedfsdp.recipes.settings.schema": ["Recipe", "RecipeError"],
     "lightning_mixedfsdp.recipes.run.loader": ["load_recipe"],
     "lightning_mixedfsdp.diagnostics": ["count_collectives", "DtypeLeakWarning"],
-    "lightning_mixedfsdp.pipeline": ["shard_model", "ShardedModel", "ShardedModels"],
+    "lightning_mixedfsdp.model_setup": ["shard_model", "ShardedModel", "ShardedModels"],
     "lightning_mixedfsdp.train": ["main"],
     "lightning_mixedfsdp.plan": ["main"],
 }

@@ -2,7 +2,7 @@
 float8 Linear layers), the user's ``parallelize_fn`` (tensor parallelism), activation checkpointing, per-unit
 compile, the replicated params and every dtype boundary, one ``fully_shard`` per sharded group (children before
 parents, the root last), then the step tracking that reduces the replicated grads. The ``apply_*`` leaves are the
-library's side effects on a model; ``shard_model`` (``pipeline.py``) orchestrates them."""
+library's side effects on a model; ``shard_model`` (``model_setup.py``) orchestrates them."""
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Set, Tuple

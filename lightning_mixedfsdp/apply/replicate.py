@@ -72,7 +72,7 @@ def _to_replicate_dtensor(
 
     param = own_parameters(owner)[attribute]
     assert param is not None
-    # a meta param stays on meta: the pipeline allocates and fills it after sharding
+    # a meta param stays on meta: the model setup allocates and fills it after sharding
     local = param.detach().to(device=param.device if param.is_meta else device, dtype=group.key.storage)
     replica = nn.Parameter(
         DTensor.from_local(local, mesh, [Replicate()] * mesh.ndim, run_check=False),

@@ -28,7 +28,7 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
 )
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
-from lightning_mixedfsdp.pipeline import ShardedModels
+from lightning_mixedfsdp.model_setup import ShardedModels
 from lightning_mixedfsdp.planning.types import ShardPlan
 
 WriteCheckpoint = Callable[[Path, Dict[str, Any]], None]

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_mixedfsdp.apply.clip import clip_grad_norm_
 from lightning_mixedfsdp.apply.optimizers import params_by_identity, rebind_optimizer
 from lightning_mixedfsdp.mesh import MeshSize, ParallelizeFn
-from lightning_mixedfsdp.pipeline import ShardedModels
+from lightning_mixedfsdp.model_setup import ShardedModels
 from lightning_mixedfsdp.strategies.fabric_checkpoints import FabricCheckpointing
 from lightning_mixedfsdp.strategies.intake import ConfigInput, given
 from lightning_mixedfsdp.strategies.lightning_compat import BackwardSyncControl

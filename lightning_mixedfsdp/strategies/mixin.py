@@ -1,4 +1,4 @@
-"""What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only pipeline. The settings
+"""What the Fabric and Trainer strategies share: Lightning's hooks around the torch-only model setup. The settings
 (``intake.py``), the meshes from ``ParallelDims``, handing a module to ``shard_model``, context parallelism's split,
 the optimizer hooks, and fault tolerance's hooks (``fault_tolerance/hooks.py``); the save, load and export sequences
 are ``checkpointing.py``'s, the work itself lives in the rooms below."""
@@ -21,7 +21,7 @@ from lightning_mixedfsdp.fault_tolerance.heal import HealSources
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.mesh import MeshSize, ParallelDims, ParallelizeFn, ParallelMeshes, semi_synchronous
 from lightning_mixedfsdp.model.names import canonical_name
-from lightning_mixedfsdp.pipeline import ShardedModels, mixed_dtype_fsdp_groups, shard_model
+from lightning_mixedfsdp.model_setup import ShardedModels, mixed_dtype_fsdp_groups, shard_model
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
 from lightning_mixedfsdp.strategies.intake import IntakeMixin
@@ -156,7 +156,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
     def _shard(
         self, module: nn.Module, precision: MixedFSDPPrecision, parallelize: Optional[ParallelizeFn]
     ) -> nn.Module:
-        """Hand ``module`` to the pipeline; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
+        """Hand ``module`` to the model setup; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
         precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
         reduce = self._fault_tolerance.cross_replica_reduce

@@ -100,7 +100,7 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         """``ModelParallelStrategy.setup``'s sequence, except that ``configure_model`` is optional (the dtype plan
-        shards the children) and a meta model is initialised by the pipeline, one chunk at a time, instead of by
+        shards the children) and a meta model is initialised by the model setup, one chunk at a time, instead of by
         ``reset_parameters`` on every rank's full copy."""
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)

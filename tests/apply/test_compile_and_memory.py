@@ -34,7 +34,7 @@ def _device() -> torch.device:
 def _sharded(model: torch.nn.Module, fields: Dict[str, Any]) -> torch.nn.Module:
     from lightning_mixedfsdp import MixedFSDPConfig
     from lightning_mixedfsdp.mesh import build_parallel_meshes
-    from lightning_mixedfsdp.pipeline import shard_model
+    from lightning_mixedfsdp.model_setup import shard_model
 
     config = MixedFSDPConfig(**fields)
     device = _device()

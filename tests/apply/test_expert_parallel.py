@@ -190,7 +190,7 @@ def _export(name: str, world: int, directory: Path) -> Dict[str, Any]:
 
 
 def _meta_init(world: int, expert_parallel_size: int) -> Dict[str, torch.Tensor]:
-    """A model built on the meta device, initialised by the pipeline (HF's own init on rank 0, streamed)."""
+    """A model built on the meta device, initialised by the model setup (HF's own init on rank 0, streamed)."""
     fabric = make_fabric(world, "bf16-true", _strategy(expert_parallel_size))
     with fabric.init_module(empty_init=True):
         model = tiny_model("qwen3_moe")

@@ -55,13 +55,13 @@ def one_rank() -> Iterator[None]:
 
 def _seen_by_planner_and_applier(config: MixedFSDPConfig, monkeypatch: pytest.MonkeyPatch) -> List[Any]:
     """Shard a model for real on one rank and return the ``sharding`` group the planner and the applier got."""
-    import lightning_mixedfsdp.pipeline as pipeline
+    import lightning_mixedfsdp.model_setup as model_setup
     import lightning_mixedfsdp.planning.planner as planner
     from lightning_mixedfsdp.mesh import build_parallel_meshes
     from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
 
     seen: List[Any] = []
-    plan_model, apply_plan = planner.plan_model, pipeline.apply_plan
+    plan_model, apply_plan = planner.plan_model, model_setup.apply_plan
 
     def planning(*args: Any, **kwargs: Any) -> Any:
         seen.append(("planner", args[2].sharding))
@@ -72,10 +72,10 @@ def _seen_by_planner_and_applier(config: MixedFSDPConfig, monkeypatch: pytest.Mo
         return apply_plan(*args, **kwargs)
 
     monkeypatch.setattr(planner, "plan_model", planning)
-    monkeypatch.setattr(pipeline, "apply_plan", applying)
+    monkeypatch.setattr(model_setup, "apply_plan", applying)
     model = TinyLlama(TinyLlamaConfig(vocab_size=32, dim=16, n_layers=1, hidden_dim=32))
     meshes = build_parallel_meshes("cpu", 1, 1, 1, 1)
-    sharded = pipeline.shard_model(model, config, config.bulk_dtypes("bf16-true"), meshes, torch.device("cpu"))
+    sharded = model_setup.shard_model(model, config, config.bulk_dtypes("bf16-true"), meshes, torch.device("cpu"))
     loss = sharded.module(torch.randint(0, 32, (2, 8))).float().mean()
     loss.backward()  # the sharded model trains
     return seen

@@ -97,13 +97,13 @@ def test_the_lighthouse_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
 
 def _refusals(rank: int, world_size: int, url: str) -> Dict[str, Any]:
     """Both refusals that need launched processes, in one launch: an unreachable lighthouse (Fabric's launch), then
-    a model that `parallelize_fn` sharded itself (the pipeline, on the process group that launch started)."""
+    a model that `parallelize_fn` sharded itself (the model setup, on the process group that launch started)."""
     import torch.distributed as dist
     from lightning.fabric import Fabric
     from torch.distributed.fsdp import fully_shard
 
     from lightning_mixedfsdp.mesh import ParallelDims
-    from lightning_mixedfsdp.pipeline import shard_model
+    from lightning_mixedfsdp.model_setup import shard_model
 
     out: Dict[str, Any] = {}
     strategy = MixedFSDP2Strategy(fault_tolerance={**GOOD, "lighthouse": url, "connect_timeout_s": 1})

@@ -186,7 +186,7 @@ def test_a_context_parallel_size_that_does_not_divide_the_ranks_is_refused_befor
 
 
 def test_a_model_context_parallelism_refuses_is_refused_before_planning(capsys: Any) -> None:
-    """The pipeline's refusal at setup (a sequence mixer that is not attention), asked of the meta model."""
+    """The model setup's refusal at setup (a sequence mixer that is not attention), asked of the meta model."""
     from lightning_mixedfsdp.recipes.run.dry_run import main
 
     recipe = str(ROOT / "conf" / "hf_qwen3_next_tiny.yaml")

@@ -333,7 +333,7 @@ def test_a_reference_export_with_mixer_layers_under_context_parallelism_is_refus
 
 
 def test_an_hf_models_sequence_mixers_under_context_parallelism_are_refused_naming_the_modules() -> None:
-    """Asked of the model built on the meta device, as the pipeline asks it at setup; an attention-only HF model
+    """Asked of the model built on the meta device, as the model setup asks it at setup; an attention-only HF model
     passes."""
     context = "strategy.parallelism.context_parallel_size=2"
     with pytest.raises(RecipeError) as error:

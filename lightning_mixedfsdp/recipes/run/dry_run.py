@@ -306,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     except MissingPackage as missing:
         raise SystemExit(f"python -m lightning_mixedfsdp.plan: {missing}") from None
     context = config.parallelism.context_parallel_size
-    refused = context_parallel_problems(model, context)  # what the pipeline refuses at setup
+    refused = context_parallel_problems(model, context)  # what the model setup refuses at setup
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     plan, estimate = dry_run(model, config, precision, args.world_size, replicate)

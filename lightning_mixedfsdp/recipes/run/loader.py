@@ -1,5 +1,5 @@
 """Loading a recipe: the schema's merge (schema < file < overrides), the checks of what it points at, the mesh sizes
-and the model under them as the strategy and the pipeline would refuse them at setup, whether the data fills a
+and the model under them as the strategy and the model setup would refuse them at setup, whether the data fills a
 window, and whether this machine has the accelerator, reported together in one :class:`RecipeError` before any process
 starts."""
 
@@ -39,7 +39,7 @@ def load_recipe(
     :class:`RecipeError` listing every problem, the files a recipe points at checked once its fields are right.
     ``launching``: also what training here needs (this machine's accelerator, enough text); a dry run plans for
     machines other than this one. ``parallel``: also the mesh sizes against the recipe's world and the model against
-    its context parallelism, what the strategy and the pipeline refuse at setup (False: the planner CLI, which plans
+    its context parallelism, what the strategy and the model setup refuse at setup (False: the planner CLI, which plans
     at its own ``--world-size`` and size flags and checks those itself)."""
     recipe, problems = merge_recipe(path, overrides)
     fields_valid = not problems
@@ -77,7 +77,7 @@ RECIPE_KEYS = {
     "context_parallel_size": "strategy.parallelism.context_parallel_size",
     "expert_parallel_size": "strategy.parallelism.expert_parallel_size",
 }
-"""The strategy's size names (as :class:`~lightning_mixedfsdp.mesh.ParallelDims` and the pipeline say them) and the
+"""The strategy's size names (as :class:`~lightning_mixedfsdp.mesh.ParallelDims` and the model setup say them) and the
 recipe keys that set them."""
 
 
@@ -114,7 +114,7 @@ def mesh_problems(recipe: Recipe) -> List[str]:
 
 def mixer_layer_problems(recipe: Recipe) -> List[str]:
     """The reference model's mixer layers under context parallelism: a mixer runs along the whole sequence, which
-    context parallelism splits (the pipeline refuses it at setup, naming the module); the fix is a recipe key."""
+    context parallelism splits (the model setup refuses it at setup, naming the module); the fix is a recipe key."""
     model, context = recipe.model, recipe.strategy.parallelism.context_parallel_size
     if model.hf_source() is not None or not model.mixer_layers or not (isinstance(context, int) and context > 1):
         return []
@@ -128,7 +128,7 @@ def mixer_layer_problems(recipe: Recipe) -> List[str]:
 
 def model_context_parallel_problems(recipe: Recipe) -> List[str]:
     """What context parallelism refuses in the model the recipe points at (``model.hf_config`` or
-    ``model.pretrained``), asked of the model built on the meta device as the pipeline asks it at setup; a reference
+    ``model.pretrained``), asked of the model built on the meta device as the model setup asks it at setup; a reference
     model's export is judged by its config's mixer layers."""
     model, context = recipe.model, recipe.strategy.parallelism.context_parallel_size
     if model.hf_source() is None or not (isinstance(context, int) and context > 1):

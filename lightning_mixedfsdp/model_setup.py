@@ -1,4 +1,5 @@
-"""The pipeline: one torch-only entry that turns a model into a sharded, initialised, hooked one.
+"""The model setup: one torch-only entry that turns a model into a sharded, initialised, hooked one (not to be
+confused with pipeline parallelism, which lives in ``pipelining/``).
 
 ``shard_model`` runs, in order: plan (pure) -> apply (casts, the user's ``parallelize_fn``, AC, compile, FSDP,
 replicated params and their hooks) -> materialise (a meta model initialised by its own init, or the non-persistent
