@@ -2,7 +2,9 @@
 shard ranks, context parallelism, tensor parallelism, expert parallelism), their validation (every problem at once),
 the device meshes built from them (dense, context-parallel and expert) and the gradient divide factors they imply.
 
-The world is ``replicate x shard x context_parallel x tensor_parallel``, tensor parallelism innermost. The dense mesh is
+The world is ``pipeline x replicate x shard x context_parallel x tensor_parallel`` (torchtitan's order), tensor
+parallelism innermost, pipeline stages outermost (between nodes on GPUs); each stage's ranks shard its params as if
+the stage were the whole model. The dense mesh is
 pure FSDP (1-D) or HSDP (replicate x shard), params sharded over the shard ranks times the context-parallel ranks
 (torchtitan's ``dp_shard_cp``); the context-parallel ranks of one data-parallel rank share its batch and split its
 sequences. Expert parallelism splits the shard ranks into ``expert_data_parallel x expert_parallel``.
@@ -27,6 +29,7 @@ DP_REPLICATE, DP_SHARD, DATA_PARALLEL, TENSOR_PARALLEL = (
 )
 EXPERT_DATA_PARALLEL, EXPERT_PARALLEL = "expert_data_parallel", "expert_parallel"
 CONTEXT_PARALLEL, DP_SHARD_CP, GRADIENT = "context_parallel", "data_parallel_shard_cp", "gradient"
+PIPELINE = "pipeline"
 
 TModel = TypeVar("TModel", bound=nn.Module)
 ParallelizeFn = Callable[[TModel, "DeviceMesh"], TModel]
@@ -78,6 +81,9 @@ class ParallelMeshes:
     """The ranks one batch's sequences are split over, when ``context_parallel_size > 1``."""
     experts: Optional[ExpertMeshes] = None
     """The expert meshes when ``expert_parallel_size > 1``."""
+    pipeline: Optional["DeviceMesh"] = None
+    """The ranks one replica's pipeline stages run on (``pipeline_parallel_size > 1``); the other meshes are this
+    rank's stage's."""
     outer: Optional["DeviceMesh"] = None
     """Semi-synchronous replicas (``replicate_sync``): the replicate dim the outer sync runs over, each replica then
     sharded over its own shard ranks alone. None: every gradient crosses the replicate dim every step."""
@@ -102,6 +108,8 @@ class ParallelDims:
     """Ranks each MoE layer's experts are split over; 1 is off."""
     context_parallel: int = 1
     """Ranks each sequence is split over; 1 is off."""
+    pipeline: int = 1
+    """Pipeline stages' ranks (``pipeline_parallel_size``), outermost; 1 is off."""
 
     @classmethod
     def resolve(
@@ -115,12 +123,13 @@ class ParallelDims:
         expert_parallel: int = 1,
         owner: str = "mixed_fsdp2",
         context_parallel: int = 1,
+        pipeline: int = 1,
     ) -> "ParallelDims":
         """Resolve ``"auto"`` sizes as Lightning does and validate the result. ``tensor_parallel_size="auto"`` is the
         devices of a node; ``data_parallel_size="auto"`` takes every rank the others leave (Lightning's: the number of
         nodes, which is the same when tensor parallelism is ``"auto"``)."""
         check_sizes(data_parallel_size, replicate, tensor_parallel_size, owner)
-        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
+        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel, pipeline)
         dims = cls(*_resolved_sizes(world_size, devices_per_node, *sizes))
         dims.validate(world_size, owner)
         return dims
@@ -136,6 +145,7 @@ class ParallelDims:
         tensor_parallel_size: MeshSize = 1,
         expert_parallel: int = 1,
         context_parallel: int = 1,
+        pipeline: int = 1,
     ) -> List[str]:
         """What :meth:`resolve` would refuse for these sizes, one problem per item (empty when it would resolve):
         for a launcher that reports before any process starts. ``expert_parallel`` and ``context_parallel`` are
@@ -143,7 +153,7 @@ class ParallelDims:
         problems = size_problems(data_parallel_size, replicate, tensor_parallel_size)
         if problems:
             return problems
-        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel)
+        sizes = (data_parallel_size, replicate, tensor_parallel_size, expert_parallel, context_parallel, pipeline)
         dims = cls(*_resolved_sizes(world_size, devices_per_node, *sizes))
         return dims.problems(world_size)
 
@@ -156,7 +166,7 @@ class ParallelDims:
     def lightning_data_parallel(self) -> int:
         """Lightning's own strategy's data-parallel size: every rank tensor parallelism leaves (it builds a
         ``(data_parallel, tensor_parallel)`` mesh and checks that the two multiply to the world)."""
-        return self.replicate * self.shard * self.context_parallel
+        return self.pipeline * self.replicate * self.shard * self.context_parallel
 
     @property
     def expert_shard(self) -> int:
@@ -165,16 +175,18 @@ class ParallelDims:
 
     @property
     def ranks(self) -> int:
-        """Ranks the sizes take: replicate x shard x context parallel x tensor parallel."""
-        return self.replicate * self.shard * self.context_parallel * self.tensor_parallel
+        """Ranks the sizes take: pipeline x replicate x shard x context parallel x tensor parallel."""
+        return self.pipeline * self.replicate * self.shard * self.context_parallel * self.tensor_parallel
 
     def problems(self, world_size: int) -> List[str]:
         """Every problem of these sizes for ``world_size`` ranks, each with its fix; empty when valid."""
         problems = []
         if self.ranks != world_size:
             context = f", `context_parallel_size={self.context_parallel}`" if self.context_parallel > 1 else ""
+            stages = f"`pipeline_parallel_size={self.pipeline}`, " if self.pipeline > 1 else ""
             problems.append(
-                f"the sizes `data_parallel_replicate_size={self.replicate}`, `data_parallel_size={self.shard}`{context}"
+                f"the sizes {stages}`data_parallel_replicate_size={self.replicate}`, `data_parallel_size={self.shard}`"
+                f"{context}"
                 f" and `tensor_parallel_size={self.tensor_parallel}` multiplied should equal the world size"
                 f" ({world_size}); change the sizes or the number of devices/nodes"
             )
@@ -182,6 +194,10 @@ class ParallelDims:
             problems.extend(self._expert_problems())
         if self.context_parallel > 1:
             problems.extend(self._context_problems(world_size))
+        if self.pipeline > 1 and world_size % self.pipeline:
+            problems.append(
+                f"pipeline_parallel_size={self.pipeline} must divide the world size ({world_size}); use a divisor of it"
+            )
         return problems
 
     def _context_problems(self, world_size: int) -> List[str]:
@@ -208,7 +224,7 @@ class ParallelDims:
     def validate(self, world_size: int, owner: str = "mixed_fsdp2") -> "ParallelDims":
         """Raise with every problem at once (Lightning's ``RuntimeError`` for sizes that do not multiply to the
         world, as its own strategy does; a ``ValueError`` for the rest); return ``self`` when valid."""
-        if self.ranks != world_size and world_size % self.context_parallel == 0:
+        if self.ranks != world_size and world_size % (self.context_parallel * self.pipeline) == 0:
             raise RuntimeError(f"{owner}: " + "; ".join(self.problems(world_size)) + ".")
         problems = self.problems(world_size)
         if problems:
@@ -235,6 +251,8 @@ class ParallelDims:
         replicas and one is given) and, with expert parallelism, the expert meshes, rank for rank aligned."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.pipeline > 1:
+            return pipeline_meshes(self, device_type)
         if self.context_parallel > 1:
             return context_parallel_meshes(self, device_type)
         if self.replicate == 1:
@@ -273,14 +291,34 @@ def _resolved_sizes(
     tensor_parallel_size: MeshSize,
     expert_parallel: int,
     context_parallel: int,
-) -> Tuple[int, int, int, int, int]:
+    pipeline: int = 1,
+) -> Tuple[int, int, int, int, int, int]:
     """``ParallelDims``' fields with ``"auto"`` sizes resolved, not validated."""
     tensor_parallel = devices_per_node if tensor_parallel_size == "auto" else int(tensor_parallel_size)
     if data_parallel_size == "auto":
-        shard = max(world_size // (replicate * tensor_parallel * context_parallel), 1)
+        shard = max(world_size // (pipeline * replicate * tensor_parallel * context_parallel), 1)
     else:
         shard = int(data_parallel_size)
-    return replicate, shard, tensor_parallel, expert_parallel, context_parallel
+    return replicate, shard, tensor_parallel, expert_parallel, context_parallel, pipeline
+
+
+def pipeline_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:
+    """``(pipeline, replicate, shard, tensor_parallel)``: rank ``((p * replicate + r) * shard + s) * tp + t`` runs
+    stage ``p`` (with v stages per rank: stages ``p, p + pipeline, ...``); the data-parallel meshes are its stage's
+    (FSDP shards over them, replicated grads are averaged over them, never across stages)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    root = init_device_mesh(
+        device_type,
+        (dims.pipeline, dims.replicate, dims.shard, dims.tensor_parallel),
+        mesh_dim_names=(PIPELINE, DP_REPLICATE, DP_SHARD, TENSOR_PARALLEL),
+    )
+    if dims.replicate == 1:
+        fsdp = data_parallel = root[DP_SHARD]
+    else:
+        fsdp = root[DP_REPLICATE, DP_SHARD]
+        data_parallel = flatten_mesh(fsdp, DATA_PARALLEL)
+    return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel, pipeline=root[PIPELINE])
 
 
 def context_parallel_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:
@@ -362,8 +400,10 @@ def build_parallel_meshes(
     world_size: int,
     expert_parallel: int = 1,
     context_parallel: int = 1,
+    pipeline: int = 1,
 ) -> ParallelMeshes:
-    """The meshes of :class:`ParallelDims` ``(replicate, shard, tensor_parallel, expert_parallel, context_parallel)``,
-    validated for ``world_size`` ranks: what the benchmarks and tests set up without a strategy."""
-    dims = ParallelDims(replicate, shard, tensor_parallel, expert_parallel, context_parallel).validate(world_size)
+    """The meshes of :class:`ParallelDims` ``(replicate, shard, tensor_parallel, expert_parallel, context_parallel,
+    pipeline)``, validated for ``world_size`` ranks: what the benchmarks and tests set up without a strategy."""
+    dims = ParallelDims(replicate, shard, tensor_parallel, expert_parallel, context_parallel, pipeline)
+    dims.validate(world_size)
     return dims.build_meshes(device_type)

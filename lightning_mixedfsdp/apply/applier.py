@@ -353,7 +353,8 @@ def apply_fully_shard_groups(
     for group in plan.sharded_groups:
         trains = plan.trains(group)
         offload = memory.offload == "cpu" or (memory.offload_frozen == "cpu" and not trains)
-        apply_fully_shard(index, group, meshes, options.sharding.reshard_after_forward, ignored, offload, trains)
+        reshard = options.sharding.resolved_reshard_after_forward(options.parallelism.pipeline_parallel_size)
+        apply_fully_shard(index, group, meshes, reshard, ignored, offload, trains)
 
 
 def apply_fully_shard(

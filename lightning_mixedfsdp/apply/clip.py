@@ -46,16 +46,16 @@ def _grouped_grads(params: Iterable[Tensor]) -> Tuple[_Groups, torch.device]:
 
 
 @torch.no_grad()
-def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0, across: Any = None) -> Tensor:
     """The global grad norm in fp32, identical on every rank.
 
     Each placement group's local contribution is reduced over the mesh dims it is sharded on, then the groups are
     combined. Params without a grad contribute zero.
     """
-    return _total_norm(*_grouped_grads(parameters), float(norm_type))
+    return _total_norm(*_grouped_grads(parameters), float(norm_type), across)
 
 
-def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tensor:
+def _total_norm(groups: _Groups, device: torch.device, norm_type: float, across: Any = None) -> Tensor:
     import torch.distributed as dist
 
     is_inf = math.isinf(norm_type)
@@ -72,6 +72,8 @@ def _total_norm(groups: _Groups, device: torch.device, norm_type: float) -> Tens
                 if not placement.is_replicate():
                     dist.all_reduce(value, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, value) if is_inf else total + value
+    if across is not None:  # pipeline stages: each holds its own params, every param once
+        dist.all_reduce(total, op=op, group=across)
     return total if is_inf else total.pow(1.0 / norm_type)
 
 
@@ -82,6 +84,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     nonfinite_check: NonfiniteCheck = "raise",
+    across: Any = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes.
 
@@ -94,7 +97,7 @@ def clip_grad_norm_(
     process cannot use the GPU again, so restart from the last checkpoint. On other devices both raise here.
     """
     groups, device = _grouped_grads(parameters)
-    total = _total_norm(groups, device, float(norm_type))
+    total = _total_norm(groups, device, float(norm_type), across)
     if error_if_nonfinite:
         _check_finite(total, norm_type, on_device=nonfinite_check == "device_assert")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -34,10 +34,12 @@ def params_by_identity(module: nn.Module) -> Dict[int, str]:
     return {id(param): canonical_name(name) for name, param in module.named_parameters()}
 
 
-def rebind_optimizer(optimizer: Optimizer, names: Dict[int, str], module: nn.Module, owner: str) -> None:
+def rebind_optimizer(
+    optimizer: Optimizer, names: Dict[int, str], module: nn.Module, owner: str, other_stages: bool = False
+) -> None:
     """Point ``optimizer``'s param groups at ``module``'s params of the same names (``names``: the params it held
     before setup, by identity). Params of other modules stay; frozen params that setup removed (a 4-bit base's
-    weights) leave their group."""
+    weights) leave their group, and so do, with ``other_stages``, the params of other ranks' pipeline stages."""
     if optimizer.state:
         raise ValueError(
             f"{owner}: `setup(model, optimizer)` got an optimizer with state already ({type(optimizer).__name__}"
@@ -53,7 +55,7 @@ def rebind_optimizer(optimizer: Optimizer, names: Dict[int, str], module: nn.Mod
                 rebound.append(param)
             elif name in current:
                 rebound.append(current[name])
-            elif param.requires_grad:
+            elif param.requires_grad and not other_stages:
                 raise ValueError(
                     f"{owner}: the optimizer holds {name!r}, which the set-up model no longer has. Set the model up"
                     " first, build the optimizer from its parameters, then call `setup_optimizers(optimizer)`."

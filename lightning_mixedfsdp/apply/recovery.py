@@ -1,7 +1,8 @@
 """The life cycle of a step on a sharded root: the callback when a backward finishes, and recovery when a forward or
 backward raised (an OOM caught by the training loop, a NaN guard) before the next forward."""
 
-from typing import Any, Callable, List
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,7 @@ class StepTracker:
         self._reset_callbacks: List[Callable[[], None]] = []
         self._forward_running = False
         self._backward_pending = False
+        self._as_one = self._ended_inside = False
         self.resets = 0
 
     def on_backward_end(self, callback: Callable[[], None]) -> None:
@@ -64,8 +66,24 @@ class StepTracker:
 
     def _on_backward_end(self) -> None:
         self._backward_pending = False
+        if self._as_one:
+            self._ended_inside = True
+            return
         for callback in self._end_callbacks:
             callback()
+
+    @contextmanager
+    def as_one_backward(self) -> Iterator[None]:
+        """The backwards inside (a pipeline step's micro-batches) count as one: the end callbacks run once, when the
+        block exits without an error, if any backward ended inside."""
+        self._as_one, self._ended_inside = True, False
+        try:
+            yield
+        finally:
+            self._as_one = False
+        if self._ended_inside:
+            for callback in self._end_callbacks:
+                callback()
 
 
 def reset_fsdp_step(root: nn.Module) -> None:

@@ -479,3 +479,32 @@ def muon_adjusted_lr(lr: float, adjust_lr_fn: Optional[str], shape: Sequence[int
     from torch.optim._muon import _adjust_lr
 
     return float(_adjust_lr(lr, adjust_lr_fn, torch.Size(shape)))
+
+
+# ---- pipeline parallelism -------------------------------------------------------------------------------------------
+
+
+def finish_fsdp_backward(root: nn.Module) -> None:
+    """After the micro-batches of one pipeline step ran their backwards with gradient sync off: every FSDP group of
+    ``root``'s tree reduces its accumulated grads, once, and FSDP's end-of-backward runs (what torch's own
+    ``PipelineStage.perform_reduce_grad`` does for a stage whose module is the FSDP root; checked on torch 2.11 to
+    2.15). Private: ``fully_shard.state``, ``FSDPState._state_ctx.all_states``, ``FSDPParamGroup.post_backward``,
+    ``FSDPState._root_post_backward_final_callback``."""
+    from torch.distributed.fsdp import fully_shard
+
+    root.set_is_last_backward(True)  # type: ignore[operator]
+    root.set_reshard_after_backward(True)  # type: ignore[operator]
+    root.set_requires_gradient_sync(True)  # type: ignore[operator]
+    state = fully_shard.state(root)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for group in fsdp_param_groups_of_state(each):
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def pipeline_schedule_class(name: str) -> Any:
+    """torch's schedule class for ``name`` (``"1F1B"`` -> ``Schedule1F1B``; public, checked on torch 2.11 to
+    2.15)."""
+    from torch.distributed import pipelining
+
+    return getattr(pipelining, f"Schedule{name}")

@@ -113,3 +113,40 @@ def cached_step(model: nn.Module, input_ids: Any, attention_mask: Any, position_
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, name: cache}
     out = model(**inputs, use_cache=True)
     return out.logits, getattr(out, name)
+
+
+def decoder_attention_masks(
+    decoder: nn.Module, hidden: Any, attention_mask: Any, position_ids: Any
+) -> Dict[str, Any]:
+    """The causal masks a Llama-family HF decoder (``model.model``) builds before its layers, by layer type
+    (``"full_attention"``, and ``"sliding_attention"`` where the config has sliding layers), as its own forward
+    builds them with no cache: what one pipeline stage's layers take. ``transformers.masking_utils``'
+    ``create_causal_mask`` and ``create_sliding_window_causal_mask`` take the cache as ``cache`` (5.24) or
+    ``past_key_values`` (5.23), named as :func:`cache_keyword` reads it."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config = decoder.config
+    arguments = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": attention_mask,
+        cache_keyword(): None,
+        "position_ids": position_ids,
+    }
+    masks = {"full_attention": create_causal_mask(**arguments)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)
+    return masks
+
+
+def decoder_layer_type(decoder: nn.Module, index: int) -> str:
+    """The attention type of layer ``index`` (``config.layer_types``; full attention where the config has none)."""
+    types = getattr(decoder.config, "layer_types", None)
+    return types[index] if types else "full_attention"
+
+
+def causal_lm_output(logits: Any) -> Any:
+    """An HF causal LM's output object around ``logits``, as the model's own forward returns it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(logits=logits)

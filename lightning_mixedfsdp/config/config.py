@@ -104,6 +104,12 @@ class MixedFSDPConfig:
                 " has none; set data_parallel_replicate_size >= 2 (e.g. one replica per node), or"
                 " replicate_sync='every_step'."
             )
+        if self.fault_tolerance is not None and parallelism.pipeline_parallel_size != 1:
+            problems.append(
+                f"parallelism.pipeline_parallel_size={parallelism.pipeline_parallel_size} with fault_tolerance is not"
+                " supported yet: a replica group's heal does not reach across pipeline stages; set fault_tolerance=None"
+                " or pipeline_parallel_size=1."
+            )
         if self.fault_tolerance is not None and self.buffers.sync == "average":
             problems.append(
                 "buffers.sync='average' averages buffers within one replica group only, so under fault_tolerance the"

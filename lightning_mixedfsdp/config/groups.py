@@ -5,7 +5,7 @@ group's ``semantic_problems``."""
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union, get_args
 
 from lightning_mixedfsdp.compat.transformers import EXPERTS_STYLE, SPLIT_STYLE
 from lightning_mixedfsdp.config.options import ABOVE, FIX, MINIMUM, PATTERNS, OptionGroup
@@ -49,6 +49,10 @@ Float8Recipe = Literal["tensorwise", "rowwise"]
 Offload = Literal["cpu"]
 RotateMethod = Literal["allgather", "alltoall"]
 ReplicateSync = Literal["every_step", "local_sgd", "diloco"]
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
+"""torch.distributed.pipelining's schedules built and tested here (its class names without ``Schedule``)."""
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B",)
+"""Schedules that run several stages on each rank."""
 OuterState = Literal["cpu", "device"]
 MeshSize = Union[Literal["auto"], int]
 """A mesh degree: an int >= 1, or ``"auto"`` (Lightning's word for what the other degrees leave)."""
@@ -169,8 +173,17 @@ class Sharding(OptionGroup):
     its params ride in the unit around it, which every rank runs (its minority dtypes, the tower's fp32 norms, are
     replicated), and the trainable ones that did not run on a rank reduce zeros there."""
 
-    reshard_after_forward: bool = True
-    """Free the all-gathered params of non-root groups after forward and all-gather them again in backward."""
+    reshard_after_forward: Optional[bool] = None
+    """Free the all-gathered params of non-root groups after forward and all-gather them again in backward.
+    ``None``: True, except under pipeline parallelism, where it is False: every micro-batch runs its own forward, and
+    resharding would all-gather each group again per micro-batch (the stage keeps its params whole between its
+    forwards and backwards instead)."""
+
+    def resolved_reshard_after_forward(self, pipeline_parallel_size: int) -> bool:
+        """``reshard_after_forward`` with ``None`` resolved for a run of ``pipeline_parallel_size`` stages."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return pipeline_parallel_size == 1
 
     replicate_below_bytes: int = field(default=1 << 20, metadata={MINIMUM: 0, FIX: "use 0 to shard every group"})
     """Minority-dtype groups smaller than this (bytes, per FSDP unit) are replicated instead of sharded: a 1 MiB
@@ -338,6 +351,11 @@ class Parallelism(OptionGroup):
             "outer_momentum",
             "outer_nesterov",
             "outer_state",
+            "pipeline_parallel_size",
+            "pipeline_schedule",
+            "pipeline_microbatches",
+            "pipeline_stages_per_rank",
+            "pipeline_split",
         )
     }
 
@@ -399,11 +417,93 @@ class Parallelism(OptionGroup):
     """Where DiLoCo's fp32 global copy and momentum live (each rank its own shard's): ``"cpu"`` (host memory, as
     INTELLECT-1 kept it) or ``"device"``."""
 
+    pipeline_parallel_size: int = field(default=1, metadata={MINIMUM: 1, FIX: "use 1 to leave pipeline parallelism off"})
+    """Pipeline parallelism: the model's blocks split into stages over this many ranks (mesh dim ``pipeline``,
+    outermost: between nodes on GPUs), micro-batches flowing through them; each stage is sharded as usual over its
+    own data-parallel ranks. Train with ``strategy.pipeline_step``. ``1``: off."""
+
+    pipeline_schedule: PipelineSchedule = "1F1B"
+    """The order stages run micro-batches in, by torch's names: ``"1F1B"`` (one forward, one backward: at most
+    ``pipeline_parallel_size - stage`` micro-batches in flight), ``"GPipe"`` (every forward, then every backward:
+    all micro-batches in flight) or ``"Interleaved1F1B"`` (several stages per rank, a smaller bubble)."""
+
+    pipeline_microbatches: Optional[int] = field(default=None, metadata={MINIMUM: 1})
+    """Micro-batches each batch is split into (they must divide it). ``None``: ``pipeline_parallel_size x
+    pipeline_stages_per_rank``, the fewest the schedules take. More shrink the bubble; raise this instead of
+    gradient accumulation."""
+
+    pipeline_stages_per_rank: Optional[int] = field(default=None, metadata={MINIMUM: 1})
+    """Stages each rank holds (``v``). ``None``: 2 for ``Interleaved1F1B``, else 1."""
+
+    pipeline_split: Optional[List[str]] = None
+    """Names of the modules that begin a stage after the first (``["model.layers.4"]`` makes two stages of an
+    8-layer model; ``pipeline_parallel_size x pipeline_stages_per_rank - 1`` names). ``None``: balanced stages, the
+    embedding and the final norm with the head each counted as one block."""
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``pipeline_stages_per_rank`` resolved."""
+        if self.pipeline_stages_per_rank is not None:
+            return self.pipeline_stages_per_rank
+        return 2 if self.pipeline_schedule in MULTI_STAGE_SCHEDULES else 1
+
+    @property
+    def microbatches(self) -> int:
+        """``pipeline_microbatches`` resolved."""
+        if self.pipeline_microbatches is not None:
+            return self.pipeline_microbatches
+        return self.pipeline_parallel_size * self.stages_per_rank
+
     def semantic_problems(self) -> List[str]:
-        problems = []
+        problems = self._pipeline_problems()
         if isinstance(self.outer_momentum, float) and self.outer_momentum >= 1:
             problems.append(f"outer_momentum={self.outer_momentum!r} must be below 1 (DiLoCo's is 0.9).")
         return problems + self._expert_plan_problems()
+
+    def _pipeline_problems(self) -> List[str]:
+        """The pipeline options that do not fit each other or the other degrees, each with its fix."""
+        size, schedule = self.pipeline_parallel_size, self.pipeline_schedule
+        if not isinstance(size, int) or size == 1 or schedule not in get_args(PipelineSchedule):
+            return []
+        problems = []
+        stages = self.stages_per_rank if isinstance(self.pipeline_stages_per_rank, (int, type(None))) else 1
+        if schedule in MULTI_STAGE_SCHEDULES and stages < 2:
+            problems.append(
+                f"pipeline_schedule={schedule!r} runs several stages per rank and pipeline_stages_per_rank={stages};"
+                " set pipeline_stages_per_rank=2 (or more), or use pipeline_schedule='1F1B'."
+            )
+        if schedule not in MULTI_STAGE_SCHEDULES and stages > 1:
+            problems.append(
+                f"pipeline_schedule={schedule!r} runs one stage per rank and pipeline_stages_per_rank={stages}; use"
+                " pipeline_schedule='Interleaved1F1B' for several, or pipeline_stages_per_rank=1."
+            )
+        micro = self.pipeline_microbatches
+        if isinstance(micro, int) and schedule != "GPipe" and micro < size:
+            problems.append(
+                f"pipeline_microbatches={micro} is fewer than {schedule} needs (at least pipeline_parallel_size="
+                f"{size}: every stage must have a micro-batch in flight); raise it to {size} or more."
+            )
+        rounds = max(1, micro // size) if isinstance(micro, int) else 1
+        if isinstance(micro, int) and schedule in MULTI_STAGE_SCHEDULES and micro % rounds:
+            fit = rounds * size
+            problems.append(
+                f"pipeline_microbatches={micro} does not split into {schedule}'s {rounds} rounds of"
+                f" pipeline_parallel_size={size} micro-batches each; use a multiple of {size}, e.g. {fit}."
+            )
+        others = {
+            "tensor_parallel_size": self.tensor_parallel_size != 1,
+            "context_parallel_size": self.context_parallel_size != 1,
+            "expert_parallel_size": self.expert_parallel_size != 1,
+            "replicate_sync": self.replicate_sync != "every_step",
+        }
+        for name, set_ in others.items():
+            if set_:
+                problems.append(
+                    f"pipeline_parallel_size={size} with {name}={getattr(self, name)!r} is not supported yet: pipeline"
+                    " stages compose with FSDP and HSDP (data_parallel_size, data_parallel_replicate_size) here;"
+                    f" leave {name} at its default or set pipeline_parallel_size=1."
+                )
+        return problems
 
     def _expert_plan_problems(self) -> List[str]:
         styles = (EXPERTS_STYLE, SPLIT_STYLE)

@@ -94,7 +94,7 @@ class MixedFSDP2Strategy(FabricCheckpointing):
         names = params_by_identity(module)
         module = self.setup_module(module)
         for optimizer in optimizers:
-            rebind_optimizer(optimizer, names, module, type(self).__name__)
+            rebind_optimizer(optimizer, names, module, type(self).__name__, other_stages=self.pipelined)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
@@ -133,6 +133,7 @@ class MixedFSDP2Strategy(FabricCheckpointing):
             norm_type,
             error_if_nonfinite and not failed,
             nonfinite_check=self._config.diagnostics.nonfinite_check,
+            across=self._pipeline_group(),
         )
 
 

@@ -25,6 +25,7 @@ from lightning_mixedfsdp.model_setup import ShardedModels, mixed_dtype_fsdp_grou
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.strategies.checkpointing import CheckpointingMixin
 from lightning_mixedfsdp.strategies.intake import IntakeMixin
+from lightning_mixedfsdp.strategies.pipelined import PipelineMixin
 from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 from lightning_mixedfsdp.strategies.process_group import destroy_process_group_at_exit
 
@@ -40,7 +41,7 @@ def refuse_fsdp1_modules(module: nn.Module, owner: str) -> None:
         )
 
 
-class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
+class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin, PipelineMixin):
     """The parts of the Fabric and Trainer strategies that are the same. Mixed in before Lightning's
     ModelParallelStrategy of either package, whose own ``setup_environment`` builds the device mesh."""
 
@@ -66,6 +67,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         self._optimizer_order: List["weakref.ref[Optimizer]"] = []
         # the zero-lr steps that make optimizer state around a save or load are no training steps
         self._making_optimizer_state = False
+        self._init_pipelines()
 
     @property
     def meshes(self) -> ParallelMeshes:
@@ -120,6 +122,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
             tensor_parallel_size=parallelism.tensor_parallel_size,
             expert_parallel=parallelism.expert_parallel_size,
             context_parallel=parallelism.context_parallel_size,
+            pipeline=parallelism.pipeline_parallel_size,
             owner=type(self).__name__,
         )
         # Lightning's own strategy sees every rank tensor parallelism leaves as its data-parallel size
@@ -159,6 +162,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
         """Hand ``module`` to the model setup; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
         precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
+        complete_stages = self._cut_to_stages(module, parallelize) if self.pipelined else None
         reduce = self._fault_tolerance.cross_replica_reduce
         sharded = shard_model(
             module,
@@ -171,6 +175,8 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin):
             self._context_parallel,
             self._fault_tolerance.outer_exchange,
         )
+        if complete_stages is not None:
+            complete_stages(sharded)
         if sharded.applied is not None:
             sharded.applied.handles.extend(self._fault_tolerance.watch(sharded.module))
         else:

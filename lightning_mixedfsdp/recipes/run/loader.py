@@ -102,6 +102,7 @@ def mesh_problems(recipe: Recipe) -> List[str]:
         tensor_parallel_size=parallelism.tensor_parallel_size,
         expert_parallel=parallelism.expert_parallel_size,
         context_parallel=parallelism.context_parallel_size,
+        pipeline=parallelism.pipeline_parallel_size,
     )
     ranks = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world}"
     return [

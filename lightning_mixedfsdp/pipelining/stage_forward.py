@@ -1,0 +1,112 @@
+"""A model cut down to this rank's pipeline stages, with the forward each stage runs.
+
+The model object stays the user's (its class, its config, its methods): the modules of other ranks' stages are
+removed, the block list becomes a ``ModuleDict`` keyed by each block's original index, so ``named_parameters()``
+yields this rank's params under the names they had (``model.layers.5.mlp.up_proj.weight``); its ``forward`` becomes
+the stages', chosen by the ``pipeline_stage`` keyword (several stages per rank share one module and one FSDP root).
+"""
+
+import functools
+import inspect
+from typing import Any, Callable, Dict, Sequence
+
+from torch import Tensor, nn
+
+from lightning_mixedfsdp.compat.transformers import causal_lm_output, decoder_attention_masks, decoder_layer_type
+from lightning_mixedfsdp.planning.stages import HF_DECODER, BlockLayout, Stage
+
+
+def cut_to_stages(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> None:
+    """Remove from ``model`` every module none of ``stages`` holds, and install their forward."""
+    held = {name for stage in stages for name in stage.modules}
+    kept = nn.ModuleDict(
+        {name.rsplit(".", 1)[-1]: model.get_submodule(name) for name in layout.blocks if name in held}
+    )
+    _set_submodule(model, layout.block_list, kept)
+    for name in layout.first + layout.last:
+        if name not in held:
+            _set_submodule(model, name, None)
+    by_index = {stage.index: stage for stage in stages}
+    run = _hf_decoder_stage if layout.family == HF_DECODER else _sequence_stage
+    model.forward = functools.partial(_stage_forward, model, by_index, run)
+
+
+def output_wrapper(layout: BlockLayout) -> Callable[[Any], Any]:
+    """What the last stage's tensor becomes before the loss sees it: the output object the model's own forward
+    returns (an HF causal LM's), or the tensor itself."""
+    return causal_lm_output if layout.family == HF_DECODER else _same
+
+
+def _same(output: Any) -> Any:
+    return output
+
+
+def _set_submodule(model: nn.Module, name: str, module: Any) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _stage_forward(
+    model: nn.Module,
+    stages: Dict[int, Stage],
+    run: Callable[..., Tensor],
+    inputs: Tensor,
+    *,
+    pipeline_stage: int,
+    **kwargs: Any,
+) -> Tensor:
+    if pipeline_stage not in stages:
+        held = sorted(stages)
+        raise ValueError(f"pipeline_stage={pipeline_stage} is not on this rank, which holds stages {held}.")
+    return run(model, stages[pipeline_stage], inputs, **kwargs)
+
+
+def _hf_decoder_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
+    """A Llama-family decoder's forward for one stage, as its own forward runs with no cache: the embedding (first
+    stage), the rotary embeddings, position ids and causal masks rebuilt from the micro-batch, the stage's layers,
+    the final norm and the head (last stage)."""
+    import torch
+
+    decoder = model.model  # type: ignore[union-attr]
+    hidden = decoder.embed_tokens(inputs) if stage.first else inputs
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+    masks = decoder_attention_masks(decoder, hidden, kwargs.get("attention_mask"), position_ids)
+    position_embeddings = decoder.rotary_emb(hidden, position_ids)
+    for name in stage.blocks:
+        index = int(name.rsplit(".", 1)[-1])
+        hidden = decoder.layers[str(index)](
+            hidden,
+            attention_mask=masks[decoder_layer_type(decoder, index)],
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+        )
+    if stage.last:
+        hidden = model.lm_head(decoder.norm(hidden))  # type: ignore[operator]
+    return hidden
+
+
+def _sequence_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
+    """Each module of the stage on the previous one's output, with the keyword inputs its forward takes."""
+    hidden = inputs
+    for name in stage.modules:
+        module = model.get_submodule(name)
+        hidden = module(hidden, **_accepted(module, kwargs))
+    return hidden
+
+
+def _accepted(module: nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if not kwargs:
+        return {}
+    names = _keyword_names(type(module))
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_names(cls: type) -> Any:
+    """The keyword names ``cls.forward`` takes (None: any, it takes ``**kwargs``)."""
+    parameters = inspect.signature(cls.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters)

@@ -1,0 +1,144 @@
+"""Pipeline parallelism's face on both strategies: the model split into stages at setup, and the one call that
+trains it, ``strategy.pipeline_step(model, inputs, target=..., loss_fn=...)`` (Lightning's contract has none: a
+forward and a backward cannot be separate calls when micro-batches interleave them across ranks)."""
+
+from typing import Any, Callable, Optional
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mixedfsdp.config import MixedFSDPConfig
+from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
+from lightning_mixedfsdp.model_setup import ShardedModel
+from lightning_mixedfsdp.pipelining.runner import LossFn, LossReduction, PipelineRunner
+from lightning_mixedfsdp.pipelining.stage_forward import cut_to_stages, output_wrapper
+from lightning_mixedfsdp.planning.stages import block_layout, plan_stages, stages_of_rank
+
+
+class PipelineMixin:
+    """Splits a model into this rank's stages before the dtype plan shards them, and runs their steps."""
+
+    _config: MixedFSDPConfig
+    meshes: ParallelMeshes
+    root_device: torch.device
+
+    def _init_pipelines(self) -> None:
+        self._pipelines: "WeakKeyDictionary[nn.Module, PipelineRunner]" = WeakKeyDictionary()
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether models are split into pipeline stages (``pipeline_parallel_size > 1``)."""
+        return self._config.parallelism.pipeline_parallel_size > 1
+
+    def _cut_to_stages(self, module: nn.Module, parallelize: Optional[Callable[..., Any]]) -> Callable[..., Any]:
+        """Cut ``module`` down to this rank's stages (every rank plans the same, so every rank raises the same
+        problems, before any collective); returns what completes the setup once the stage is sharded."""
+        parallelism = self._config.parallelism
+        owner = f"{type(self).__name__} ({user_class_name(module)})"
+        size, per_rank = parallelism.pipeline_parallel_size, parallelism.stages_per_rank
+        num_stages, split = size * per_rank, parallelism.pipeline_split
+        stages, problems = plan_stages(module, num_stages, split)
+        if parallelize is not None:
+            problems.append(
+                "pipeline_parallel_size > 1 with a `parallelize_fn` is not supported: the stages are sharded by the"
+                " dtype plan; remove `parallelize_fn` (or `configure_model`'s own sharding)."
+            )
+        if problems or stages is None:
+            raise ValueError(f"{owner}: " + " ".join(problems))
+        layout = block_layout(module, split)
+        assert layout is not None
+        mine = [stages[index] for index in stages_of_rank(self.meshes.pipeline.get_local_rank(), size, per_rank)]
+        cut_to_stages(module, layout, mine)
+
+        def complete(sharded: ShardedModel) -> None:
+            from torch.distributed.fsdp import FSDPModule
+
+            if sharded.applied is None or not isinstance(sharded.module, FSDPModule):
+                raise ValueError(f"{owner}: a pipeline stage's root must be sharded by the dtype plan.")
+            runner = PipelineRunner(
+                sharded.module,
+                sharded.applied,
+                mine,
+                num_stages,
+                self.meshes.pipeline.get_group(),
+                parallelism.pipeline_schedule,
+                parallelism.microbatches,
+                self.root_device,
+                output_wrapper(layout),
+            )
+            self._pipelines[sharded.module] = runner
+            guard = _direct_call_guard(runner, type(self).__name__, [stage.index for stage in mine], num_stages)
+            sharded.applied.handles.append(sharded.module.register_forward_pre_hook(guard, prepend=True))
+
+        return complete
+
+    def pipeline_step(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        target: Any,
+        loss_fn: LossFn,
+        loss_reduction: LossReduction = "mean",
+    ) -> Tensor:
+        """One training step's forward and backward under pipeline parallelism; returns the step's loss on every
+        rank. Call ``optimizer.step()`` after it as usual.
+
+        ``model`` is what setup returned (this rank's stages). Every pipeline rank of one data-parallel replica
+        passes that replica's ``inputs`` (token ids, batch first, or a dict of tensors whose ``input_ids`` go to
+        the first stage and whose other entries, such as ``position_ids`` or ``attention_mask``, reach every stage)
+        and ``target``; both are split into ``pipeline_microbatches`` along dim 0. ``loss_fn(output, target)``
+        gets the last stage's output as the model returns it (an HF causal LM's output object, or a tensor) and a
+        micro-batch's target. ``loss_reduction="mean"``: it returns the micro-batch's mean, and each is divided by
+        the number of micro-batches before backward (gradients equal one process's on the whole batch with equal
+        micro-batches); ``"sum"``: it is normalised over the whole batch already (e.g. divided by the batch's token
+        count), and the micro-batches' losses add up. Calling it twice before ``optimizer.step()`` accumulates."""
+        return self._runner_of(model, "pipeline_step").step(inputs, target, loss_fn, loss_reduction)
+
+    def pipeline_eval(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        *,
+        target: Any,
+        loss_fn: LossFn,
+        loss_reduction: LossReduction = "mean",
+    ) -> Tensor:
+        """:meth:`pipeline_step`'s forward alone, under no grad, with the model in eval mode and back in its mode
+        after; the loss on every rank."""
+        return self._runner_of(model, "pipeline_eval").evaluate(inputs, target, loss_fn, loss_reduction)
+
+    def _runner_of(self, model: nn.Module, method: str) -> PipelineRunner:
+        module = unwrap_model(model)
+        runner = self._pipelines.get(module) if self.pipelined else None
+        if runner is None:
+            reason = (
+                "pipeline_parallel_size is 1"
+                if not self.pipelined
+                else f"this {user_class_name(module)} was not set up by it"
+            )
+            raise RuntimeError(
+                f"{type(self).__name__}.{method}: {reason}; set pipeline_parallel_size > 1 and pass the model"
+                " `setup` returned (or call the model directly without pipeline parallelism)."
+            )
+        return runner
+
+    def _pipeline_group(self) -> Optional[Any]:
+        """The pipeline ranks' group (gradient norms add up over it), or None."""
+        return self.meshes.pipeline.get_group() if self.pipelined and self.meshes.pipeline is not None else None
+
+
+def _direct_call_guard(runner: PipelineRunner, owner: str, held: Any, num_stages: int) -> Callable[..., None]:
+    def refuse(_module: nn.Module, _args: Any) -> None:
+        if not runner.running:
+            raise RuntimeError(
+                f"{owner}: under pipeline parallelism this model holds stages {held} of {num_stages}, and a forward"
+                " runs across every stage's rank; call `strategy.pipeline_step(model, inputs, target=...,"
+                " loss_fn=...)` (or `pipeline_eval`) instead of the model (in a LightningModule:"
+                " `self.trainer.strategy.pipeline_step(self, ...)`)."
+            )
+
+    return refuse
+
