@@ -54,10 +54,13 @@ class AbsentStateRecord:
 
 
 @contextmanager
-def standing_in_for_state_ranks_lack(module: nn.Module, optimizers: Mapping[str, Optimizer]) -> Iterator[AbsentState]:
+def standing_in_for_state_ranks_lack(
+    module: nn.Module, optimizers: Mapping[str, Optimizer], group: Any = None
+) -> Iterator[AbsentState]:
     """Around a save of ``optimizers`` (by key) on every rank: where some ranks hold state for a param and others do
     not, the others hold a stand-in for the save; yields what to record under ``ABSENT_STATE_KEY`` (empty when the
-    ranks agree, the usual case: one small all-reduce)."""
+    ranks agree, the usual case: one small all-reduce). ``group``: the ranks that hold the same params (a pipeline
+    stage's; None: every rank)."""
     import torch.distributed as dist
 
     if not optimizers or not dist.is_available() or not dist.is_initialized():
@@ -70,9 +73,9 @@ def standing_in_for_state_ranks_lack(module: nn.Module, optimizers: Mapping[str,
         dtype=torch.int32,
         device=local_tensor(params[0]).device if params else None,
     )
-    dist.all_reduce(holders)
+    dist.all_reduce(holders, group=group)
     counts = holders.tolist()
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if all(count in (0, world) for count in counts):
         yield {}
         return
@@ -89,7 +92,7 @@ def standing_in_for_state_ranks_lack(module: nn.Module, optimizers: Mapping[str,
         key: {names[id(p)]: local_chunk(p) for p in lacking if id(p) in names} for key, lacking in stand_ins.items()
     }
     every_rank: List[Any] = [None] * world
-    dist.all_gather_object(every_rank, (mine, _scalar_states(optimizers, names, counts, world)))
+    dist.all_gather_object(every_rank, (mine, _scalar_states(optimizers, names, counts, world)), group=group)
     absent: AbsentState = {}
     scalars: Dict[Tuple[str, str], Dict[str, Any]] = {}
     for regions, holder_scalars in every_rank:
@@ -263,6 +266,19 @@ def holds_outer_state(path: Path, weights_only: Optional[bool] = None) -> bool:
         if isinstance(state, dict) and isinstance(state.get("state"), dict)
         for entry in state["state"].values()
     )
+
+
+def optimizer_state_by_name(path: Path) -> bool:
+    """Whether the DCP checkpoint at ``path`` keys its optimizers' param groups by param name (torch's
+    ``flatten_optimizer_state_dict``: ``optimizer.param_groups.<name>.lr``, as pipeline-parallel saves do) rather
+    than by index (``optimizer.param_groups.0.lr``)."""
+    if not (path.is_dir() and (path / DCP_METADATA).is_file()):
+        return False
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    groups = [name.split(".param_groups.", 1)[1] for name in names if ".param_groups." in name]
+    return any(not entry.split(".", 1)[0].isdigit() for entry in groups)
 
 
 @torch.no_grad()

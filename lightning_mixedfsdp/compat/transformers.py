@@ -115,9 +115,7 @@ def cached_step(model: nn.Module, input_ids: Any, attention_mask: Any, position_
     return out.logits, getattr(out, name)
 
 
-def decoder_attention_masks(
-    decoder: nn.Module, hidden: Any, attention_mask: Any, position_ids: Any
-) -> Dict[str, Any]:
+def decoder_attention_masks(decoder: nn.Module, hidden: Any, attention_mask: Any, position_ids: Any) -> Dict[str, Any]:
     """The causal masks a Llama-family HF decoder (``model.model``) builds before its layers, by layer type
     (``"full_attention"``, and ``"sliding_attention"`` where the config has sliding layers), as its own forward
     builds them with no cache: what one pipeline stage's layers take. ``transformers.masking_utils``'

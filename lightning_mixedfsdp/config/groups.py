@@ -417,7 +417,9 @@ class Parallelism(OptionGroup):
     """Where DiLoCo's fp32 global copy and momentum live (each rank its own shard's): ``"cpu"`` (host memory, as
     INTELLECT-1 kept it) or ``"device"``."""
 
-    pipeline_parallel_size: int = field(default=1, metadata={MINIMUM: 1, FIX: "use 1 to leave pipeline parallelism off"})
+    pipeline_parallel_size: int = field(
+        default=1, metadata={MINIMUM: 1, FIX: "use 1 to leave pipeline parallelism off"}
+    )
     """Pipeline parallelism: the model's blocks split into stages over this many ranks (mesh dim ``pipeline``,
     outermost: between nodes on GPUs), micro-batches flowing through them; each stage is sharded as usual over its
     own data-parallel ranks. Train with ``strategy.pipeline_step``. ``1``: off."""

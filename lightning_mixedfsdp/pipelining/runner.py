@@ -48,6 +48,8 @@ class _StageCall(nn.Module):
     """What torch's ``PipelineStage`` runs for one stage: the shared root's forward for stage ``index``. The root is
     held, not registered, so torch sees a module with no FSDP in it and leaves gradient reduction to the runner."""
 
+    _root: Any
+
     def __init__(self, root: nn.Module, index: int, emitted: Tensor, is_last: bool) -> None:
         super().__init__()
         object.__setattr__(self, "_root", root)
@@ -315,14 +317,15 @@ def _meta(tensor: Tensor) -> Tensor:
 
 
 def _example(meta: Tensor, requires_grad: bool) -> Tensor:
-    return torch.empty(meta.shape, dtype=meta.dtype, device="meta", requires_grad=requires_grad and meta.is_floating_point())
+    trains = requires_grad and meta.is_floating_point()
+    return torch.empty(meta.shape, dtype=meta.dtype, device="meta", requires_grad=trains)
 
 
 def _header(tensor: Tensor, device: torch.device) -> Tensor:
     if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
         raise RuntimeError(
-            f"mixed_fsdp2: a pipeline stage emitted {tuple(tensor.shape)} {tensor.dtype}; stages send tensors of at most"
-            f" {_HEADER - 2} dims in one of {[str(d) for d in _DTYPES]}."
+            f"mixed_fsdp2: a pipeline stage emitted {tuple(tensor.shape)} {tensor.dtype}; stages send tensors of"
+            f" at most {_HEADER - 2} dims in one of {[str(d) for d in _DTYPES]}."
         )
     values = [_DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
     return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64, device=device)

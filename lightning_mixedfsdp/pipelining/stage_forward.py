@@ -19,9 +19,7 @@ from lightning_mixedfsdp.planning.stages import HF_DECODER, BlockLayout, Stage
 def cut_to_stages(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> None:
     """Remove from ``model`` every module none of ``stages`` holds, and install their forward."""
     held = {name for stage in stages for name in stage.modules}
-    kept = nn.ModuleDict(
-        {name.rsplit(".", 1)[-1]: model.get_submodule(name) for name in layout.blocks if name in held}
-    )
+    kept = nn.ModuleDict({name.rsplit(".", 1)[-1]: model.get_submodule(name) for name in layout.blocks if name in held})
     _set_submodule(model, layout.block_list, kept)
     for name in layout.first + layout.last:
         if name not in held:
@@ -61,13 +59,13 @@ def _stage_forward(
     return run(model, stages[pipeline_stage], inputs, **kwargs)
 
 
-def _hf_decoder_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
+def _hf_decoder_stage(model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
     """A Llama-family decoder's forward for one stage, as its own forward runs with no cache: the embedding (first
     stage), the rotary embeddings, position ids and causal masks rebuilt from the micro-batch, the stage's layers,
     the final norm and the head (last stage)."""
     import torch
 
-    decoder = model.model  # type: ignore[union-attr]
+    decoder = model.model
     hidden = decoder.embed_tokens(inputs) if stage.first else inputs
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
@@ -83,7 +81,7 @@ def _hf_decoder_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: 
             position_ids=position_ids,
         )
     if stage.last:
-        hidden = model.lm_head(decoder.norm(hidden))  # type: ignore[operator]
+        hidden = model.lm_head(decoder.norm(hidden))
     return hidden
 
 
@@ -99,12 +97,13 @@ def _sequence_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: An
 def _accepted(module: nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     if not kwargs:
         return {}
-    names = _keyword_names(type(module))
+    cls: Any = type(module)
+    names = _keyword_names(cls)
     return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
 @functools.lru_cache(maxsize=None)
-def _keyword_names(cls: type) -> Any:
+def _keyword_names(cls: Any) -> Any:
     """The keyword names ``cls.forward`` takes (None: any, it takes ``**kwargs``)."""
     parameters = inspect.signature(cls.forward).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):

@@ -76,7 +76,8 @@ def block_layout(model: nn.Module, split: Optional[Sequence[str]] = None) -> Opt
         if inner is not None and all(hasattr(inner, p) for p in parts) and hasattr(model, "lm_head"):
             if isinstance(inner.layers, nn.ModuleList):
                 blocks = tuple(f"model.layers.{i}" for i in range(len(inner.layers)))
-                return BlockLayout(HF_DECODER, ("model.embed_tokens",), blocks, ("model.norm", "lm_head"), "model.layers")
+                first, last = ("model.embed_tokens",), ("model.norm", "lm_head")
+                return BlockLayout(HF_DECODER, first, blocks, last, "model.layers")
     declared = getattr(type(model), "pipeline_blocks", None)
     list_name = declared if isinstance(declared, str) else _parent(split[0]) if split else None
     if list_name is None:
@@ -122,7 +123,7 @@ def plan_stages(
             return None, [f"{reason}; give names like 'layers.4' of the model's block list."]
         return None, [
             f"{name} cannot be split into pipeline stages automatically: HF decoders of the Llama family"
-            f" ({', '.join(sorted(LLAMA_FAMILY))}) and models that declare `pipeline_blocks = \"layers\"` are;"
+            f' ({", ".join(sorted(LLAMA_FAMILY))}) and models that declare `pipeline_blocks = "layers"` are;'
             " give pipeline_split=['layers.4', ...] (the blocks that begin each stage after the first) for a model"
             " whose forward runs the modules before its block list, the blocks, and the modules after, in order."
         ]

@@ -23,6 +23,7 @@ from lightning_mixedfsdp.checkpoint.optimizer_state import (
     ABSENT_STATE_KEY,
     AbsentState,
     holds_outer_state,
+    optimizer_state_by_name,
     restoring_missing_state,
     standing_in_for_state_ranks_lack,
 )
@@ -30,6 +31,7 @@ from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.fault_tolerance.hooks import NoFaultTolerance
 from lightning_mixedfsdp.model_setup import ShardedModels
 from lightning_mixedfsdp.planning.types import ShardPlan
+from lightning_mixedfsdp.strategies.lightning_compat import optimizer_state_keyed_by_name
 
 WriteCheckpoint = Callable[[Path, Dict[str, Any]], None]
 """Lightning's own save of a state into a path."""
@@ -47,6 +49,12 @@ class CheckpointingMixin:
     broadcast: Callable[..., Any]
     barrier: Callable[..., Any]
     plan_of: Callable[[nn.Module], ShardPlan]
+    _same_params_group: Callable[[], Any]
+
+    @staticmethod
+    def _keyed_by_name(enabled: bool, action: Callable[[], Any]) -> Any:
+        with optimizer_state_keyed_by_name(enabled):
+            return action()
 
     def _save_checkpoint(
         self,
@@ -72,7 +80,9 @@ class CheckpointingMixin:
             single_file = not self._save_distributed_checkpoint
             save_atomically(
                 path,
-                lambda temp: write(temp, to_save),
+                lambda temp: self._keyed_by_name(
+                    self._config.parallelism.pipeline_parallel_size > 1, lambda: write(temp, to_save)
+                ),
                 single_file,
                 self.broadcast,
                 self.barrier,
@@ -95,7 +105,7 @@ class CheckpointingMixin:
         path = recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
         holds_outer = bool(self._sharded.outer_syncs()) and holds_outer_state(path, weights_only)
         with self._loading_optimizers(path, module, optimizers, weights_only, holds_outer):
-            loaded = read(path)
+            loaded = self._keyed_by_name(optimizer_state_by_name(path), lambda: read(path))
         restart_outer_syncs_not_loaded(self._sharded, path, bool(optimizers), type(self).__name__, self.global_rank)
         loaded.pop(ABSENT_STATE_KEY, None)
         self._fault_tolerance.restore_state(loaded)
@@ -154,7 +164,11 @@ class CheckpointingMixin:
         """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others; yields the
         record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
         return self._making_state(
-            standing_in_for_state_ranks_lack(module, optimizers) if module is not None and optimizers else None,
+            (
+                standing_in_for_state_ranks_lack(module, optimizers, self._same_params_group())
+                if module is not None and optimizers
+                else None
+            ),
             outer_state=True,
         )
 

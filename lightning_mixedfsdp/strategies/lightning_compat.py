@@ -5,7 +5,9 @@ Private hooks the strategies override rather than call (both ``ModelParallelStra
 is public; ``_get_process_group_backend`` (``mixin.py``: gloo beside NCCL under CPU offload) is private, and
 ``_setup_distributed`` calls it to create the process group."""
 
-from typing import Any, Dict, Iterable, Optional
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
@@ -129,3 +131,35 @@ def micro_batches_consumed(trainer: Any) -> int:
     2.6.5 and 2.6.6): it counts the batch a checkpoint was saved at the end of, before and after the loop's restart
     completes it, and not the batch in flight."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
+
+
+@contextmanager
+def optimizer_state_keyed_by_name(enabled: bool = True) -> Iterator[None]:
+    """Inside, Lightning's DCP save and load (``lightning.fabric.strategies.model_parallel._save_checkpoint`` and
+    ``_load_checkpoint``, which call torch's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` with fixed
+    options) key optimizer state and param groups by param name (``flatten_optimizer_state_dict=True``, as
+    torchtitan saves): pipeline stages hold different params, and param groups keyed by index would collide across
+    them in one checkpoint. Both module attributes are looked up by Lightning at each call (lightning 2.6.5, 2.6.6);
+    they are restored on exit."""
+    if not enabled:
+        yield
+        return
+    import torch.distributed.checkpoint.state_dict as torch_state_dict
+
+    get, put = torch_state_dict.get_optimizer_state_dict, torch_state_dict.set_optimizer_state_dict
+
+    def by_name(options: Any) -> Any:
+        return replace(options or torch_state_dict.StateDictOptions(), flatten_optimizer_state_dict=True)
+
+    def get_by_name(model: Any, optimizers: Any, *, submodules: Any = None, options: Any = None) -> Any:
+        return get(model, optimizers, submodules=submodules, options=by_name(options))
+
+    def put_by_name(model: Any, optimizers: Any, optim_state_dict: Any, *, options: Any = None) -> Any:
+        return put(model, optimizers, optim_state_dict, options=by_name(options))
+
+    torch_state_dict.get_optimizer_state_dict = get_by_name
+    torch_state_dict.set_optimizer_state_dict = put_by_name
+    try:
+        yield
+    finally:
+        torch_state_dict.get_optimizer_state_dict, torch_state_dict.set_optimizer_state_dict = get, put

@@ -159,8 +159,9 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin, PipelineMixin):
     def _shard(
         self, module: nn.Module, precision: MixedFSDPPrecision, parallelize: Optional[ParallelizeFn]
     ) -> nn.Module:
-        """Hand ``module`` to the model setup; a module the user's ``parallelize_fn`` sharded itself gets Lightning's own
-        precision semantics (autocast under ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
+        """Hand ``module`` to the model setup (cut to this rank's pipeline stages first, under pipeline parallelism); a
+        module the user's ``parallelize_fn`` sharded itself gets Lightning's own precision semantics (autocast under
+        ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
         complete_stages = self._cut_to_stages(module, parallelize) if self.pipelined else None
         reduce = self._fault_tolerance.cross_replica_reduce

@@ -21,8 +21,11 @@ class PipelineMixin:
     """Splits a model into this rank's stages before the dtype plan shards them, and runs their steps."""
 
     _config: MixedFSDPConfig
-    meshes: ParallelMeshes
     root_device: torch.device
+
+    @property
+    def meshes(self) -> ParallelMeshes:  # the strategy's (``mixin.py``)
+        raise NotImplementedError
 
     def _init_pipelines(self) -> None:
         self._pipelines: "WeakKeyDictionary[nn.Module, PipelineRunner]" = WeakKeyDictionary()
@@ -49,7 +52,9 @@ class PipelineMixin:
             raise ValueError(f"{owner}: " + " ".join(problems))
         layout = block_layout(module, split)
         assert layout is not None
-        mine = [stages[index] for index in stages_of_rank(self.meshes.pipeline.get_local_rank(), size, per_rank)]
+        mesh = self.meshes.pipeline
+        assert mesh is not None
+        mine = [stages[index] for index in stages_of_rank(mesh.get_local_rank(), size, per_rank)]
         cut_to_stages(module, layout, mine)
 
         def complete(sharded: ShardedModel) -> None:
@@ -62,7 +67,7 @@ class PipelineMixin:
                 sharded.applied,
                 mine,
                 num_stages,
-                self.meshes.pipeline.get_group(),
+                mesh.get_group(),
                 parallelism.pipeline_schedule,
                 parallelism.microbatches,
                 self.root_device,
@@ -125,6 +130,11 @@ class PipelineMixin:
             )
         return runner
 
+    def _same_params_group(self) -> Optional[Any]:
+        """The ranks that hold the same params: this stage's data-parallel ranks under pipeline parallelism; None
+        (every rank) without."""
+        return self.meshes.replicas.get_group() if self.pipelined else None
+
     def _pipeline_group(self) -> Optional[Any]:
         """The pipeline ranks' group (gradient norms add up over it), or None."""
         return self.meshes.pipeline.get_group() if self.pipelined and self.meshes.pipeline is not None else None
@@ -141,4 +151,3 @@ def _direct_call_guard(runner: PipelineRunner, owner: str, held: Any, num_stages
             )
 
     return refuse
-

@@ -156,6 +156,10 @@ class Block(nn.Module):
 class TinyLlama(nn.Module):
     """A byte-level Llama-style causal LM: embeddings, blocks in an ``nn.ModuleList``, final RMSNorm, head."""
 
+    pipeline_blocks = "layers"
+    """Pipeline parallelism splits it at its blocks: its forward runs the modules before them, the blocks (each
+    taking ``positions``), and the modules after, in registration order."""
+
     def __init__(self, config: TinyLlamaConfig) -> None:
         super().__init__()
         self.config = config

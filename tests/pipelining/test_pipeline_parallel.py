@@ -1,0 +1,294 @@
+"""2 ranks, pipeline parallelism 2 (each rank one stage, or two under Interleaved1F1B): training equals one process
+(32-true: losses, the clip norm and every param by name), bf16 stages keep their fp32 params and send bf16, DCP
+checkpoints move between pipeline sizes, and every refusal is raised on every rank."""
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import Launch
+from tests.hf_models import tiny_model
+from tests.scenarios import A_LOG, full_params, make_fabric, unwrap
+
+WORLD, LAYERS, BATCH, SEQUENCE, STEPS, LR = 2, 4, 8, 12, 2, 1e-3
+SCHEDULES = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}
+"""Each schedule built and tested, with its stages per rank."""
+
+
+def llama(**overrides: Any) -> nn.Module:
+    return tiny_model("llama", num_hidden_layers=LAYERS, tie_word_embeddings=False, **overrides)
+
+
+def batches() -> List[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (BATCH, SEQUENCE), generator=generator) for _ in range(STEPS + 1)]
+
+
+def lm_loss(output: Any, tokens: torch.Tensor) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def strategy(**options: Any) -> Any:
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    return MixedFSDP2Strategy(**options)
+
+
+def pipelined(schedule: str = "1F1B", **options: Any) -> Any:
+    per_rank = SCHEDULES[schedule]
+    return strategy(
+        pipeline_parallel_size=2,
+        pipeline_schedule=schedule,
+        pipeline_stages_per_rank=per_rank,
+        pipeline_microbatches=4,
+        **options,
+    )
+
+
+def _train(fabric: Any, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        losses.append(fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item())
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e9).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    held_out = batches()[STEPS]
+    evaluated = fabric.strategy.pipeline_eval(model, held_out, target=held_out, loss_fn=lm_loss).item()
+    return {"losses": losses, "norms": norms, "eval": evaluated, "training": unwrap(model).training}
+
+
+def _schedules(rank: int) -> Dict[str, Any]:
+    out = {}
+    for schedule in SCHEDULES:
+        fabric = make_fabric(WORLD, "32-true", pipelined(schedule))
+        model = llama()
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+        out[schedule] = {**_train(fabric, model, optimizer), "params": full_params(model)}
+    return out
+
+
+def _bf16_stages(rank: int) -> Dict[str, Any]:
+    """A Llama (fp32 norms in every layer) and this project's TinyLlama with Mamba-style mixers (``A_log`` kept
+    fp32: a replicated param inside its block's bf16 FSDP unit), each in two bf16 stages."""
+    from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
+
+    out: Dict[str, Any] = {}
+    fabric = make_fabric(WORLD, "bf16-true", pipelined())
+    model = fabric.setup(llama())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    out["llama"] = {n: p.dtype for n, p in unwrap(model).named_parameters()}
+    out["llama_losses"] = [_step(fabric, model, optimizer, batch) for batch in batches()[:STEPS] * 2]
+    runner = fabric.strategy._runner_of(model, "test")
+    out["boundaries"] = {
+        stage: (b.received.dtype, b.emitted.dtype) for _, bs in runner._schedules.values() for stage, b in bs.items()
+    }
+    mixers = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, hidden_dim=64, mixer_layers=(0, 1, 2, 3))
+    fabric = make_fabric(WORLD, "bf16-true", pipelined(keep_fp32_params=A_LOG))
+    torch.manual_seed(0)
+    tiny = fabric.setup(TinyLlama(mixers))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(tiny.parameters(), lr=1e-2))
+    before = {n: p.detach().clone() for n, p in full_params(tiny).items() if n.endswith("A_log")}
+    out["tiny_losses"] = [_step(fabric, tiny, optimizer, batch) for batch in batches()[:STEPS] * 2]
+    out["tiny"] = {n: p.dtype for n, p in unwrap(tiny).named_parameters()}
+    after = full_params(tiny)
+    out["a_log_moved"] = {n: not torch.equal(before[n], after[n]) for n in before}
+    return out
+
+
+def _step(fabric: Any, model: nn.Module, optimizer: Any, batch: torch.Tensor) -> float:
+    loss = fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
+def _checkpoints(rank: int, folder: str) -> Dict[str, Any]:
+    """Save at PP 2, resume at PP 2 (bitwise, and the next step equal) and load at PP 1 x FSDP 2; save at PP 1 x
+    FSDP 2 and load at PP 2."""
+    out: Dict[str, Any] = {}
+    path = Path(folder) / "pp2.ckpt"
+    fabric = make_fabric(WORLD, "32-true", pipelined())
+    model = llama()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    for batch in batches()[:STEPS]:
+        _step(fabric, model, optimizer, batch)
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    out["saved"] = full_params(model)
+    nxt = batches()[STEPS]
+    out["continued_loss"] = _step(fabric, model, optimizer, nxt)
+    out["continued"] = full_params(model)
+
+    fabric = make_fabric(WORLD, "32-true", pipelined())
+    model = llama(seed=5)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    out["resumed"] = full_params(model)
+    out["resumed_loss"] = _step(fabric, model, optimizer, nxt)
+    out["resumed_next"] = full_params(model)
+
+    fabric = make_fabric(WORLD, "32-true", strategy())
+    model = llama(seed=6)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    out["at_pp1"] = full_params(model)
+    flat = Path(folder) / "pp1.ckpt"
+    fabric.save(flat, {"model": model, "optimizer": optimizer})
+
+    fabric = make_fabric(WORLD, "32-true", pipelined())
+    model = llama(seed=7)
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    fabric.load(flat, {"model": model, "optimizer": optimizer})
+    out["back_at_pp2"] = full_params(model)
+    return out
+
+
+def _refusals(rank: int) -> Dict[str, str]:
+    out = {}
+
+    def refused(name: str, action: Any) -> None:
+        try:
+            action()
+        except (ValueError, RuntimeError, TypeError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+        else:
+            out[name] = "no error"
+
+    fabric = make_fabric(WORLD, "32-true", pipelined())
+    model = fabric.setup(llama())
+    odd = torch.randint(0, 64, (6, SEQUENCE))
+    refused("batch", lambda: fabric.strategy.pipeline_step(model, odd, target=odd, loss_fn=lm_loss))
+    refused("direct_call", lambda: model(odd))
+    tied = tiny_model("llama", tie_word_embeddings=True)
+    refused("tied", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(tied))
+    split = pipelined(pipeline_split=["model.layers.0"])
+    refused("empty_split", lambda: make_fabric(WORLD, "32-true", split).setup(llama()))
+    own = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64))
+    refused("unsplittable", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(own))
+    flat = make_fabric(WORLD, "32-true", strategy())
+    refused("unpipelined", lambda: flat.strategy.pipeline_step(model, odd, target=odd, loss_fn=lm_loss))
+    return out
+
+
+def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
+    return {
+        "schedules": _schedules(rank),
+        "bf16": _bf16_stages(rank),
+        "checkpoints": _checkpoints(rank, folder),
+        "refusals": _refusals(rank),
+    }
+
+
+LAUNCH = Launch(_scenarios, WORLD, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    """One process, the whole batch, the same steps."""
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    held_out = batches()[STEPS]
+    with torch.no_grad():
+        evaluated = lm_loss(model(held_out), held_out).item()
+    return {"losses": losses, "norms": norms, "eval": evaluated, "params": dict(model.named_parameters())}
+
+
+def merged(results: List[Dict[str, Any]], *keys: str) -> Dict[str, torch.Tensor]:
+    """Every stage's params by name (each rank holds its stages')."""
+    params: Dict[str, torch.Tensor] = {}
+    for result in results:
+        value = result
+        for key in keys:
+            value = value[key]
+        assert not set(params) & set(value), "a param on two stages"
+        params.update(value)
+    return params
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_each_schedule_trains_as_one_process_does(results: list, reference: Dict[str, Any], schedule: str) -> None:
+    for result in results:
+        got = result["schedules"][schedule]
+        assert got["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert got["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert got["eval"] == pytest.approx(reference["eval"], abs=1e-5)
+        assert got["training"], "pipeline_eval leaves the model in train mode"
+    params = merged(results, "schedules", schedule, "params")
+    assert set(params) == set(reference["params"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(params[name], value.detach(), atol=1e-5, rtol=0, msg=name)
+
+
+def test_each_rank_holds_its_stages_under_their_original_names(results: list) -> None:
+    ranks = [set(result["schedules"]["1F1B"]["params"]) for result in results]
+    assert "model.embed_tokens.weight" in ranks[0] and "model.layers.1.mlp.up_proj.weight" in ranks[0]
+    assert "lm_head.weight" in ranks[1] and "model.layers.2.mlp.up_proj.weight" in ranks[1]
+    interleaved = [set(result["schedules"]["Interleaved1F1B"]["params"]) for result in results]
+    assert "model.layers.2.self_attn.q_proj.weight" in interleaved[0], "stages 0 and 2 on rank 0"
+    assert "model.layers.1.self_attn.q_proj.weight" in interleaved[1], "stages 1 and 3 on rank 1"
+
+
+def test_bf16_stages_keep_fp32_params_and_send_bf16(results: list) -> None:
+    for result in results:
+        bf16 = result["bf16"]
+        for name, dtype in bf16["llama"].items():
+            expected = torch.float32 if "norm" in name else torch.bfloat16
+            assert dtype == expected, name
+        assert any("norm" in name for name in bf16["llama"])
+        for name, dtype in bf16["tiny"].items():
+            expected = torch.float32 if name.endswith("A_log") or "norm" in name else torch.bfloat16
+            assert dtype == expected, name
+        for stage, (received, emitted) in bf16["boundaries"].items():
+            assert received in (torch.int64, torch.bfloat16) and emitted == torch.bfloat16, stage
+        for losses in (bf16["llama_losses"], bf16["tiny_losses"]):
+            assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    a_logs = {name for result in results for name in result["bf16"]["a_log_moved"]}
+    assert len(a_logs) == 4, "every mixer's A_log on its stage"
+    assert all(moved for result in results for moved in result["bf16"]["a_log_moved"].values())
+
+
+def test_a_checkpoint_moves_between_pipeline_sizes(results: list) -> None:
+    saved = merged(results, "checkpoints", "saved")
+    resumed = merged(results, "checkpoints", "resumed")
+    for name in saved:
+        assert torch.equal(resumed[name], saved[name]), name
+    continued = merged(results, "checkpoints", "continued")
+    resumed_next = merged(results, "checkpoints", "resumed_next")
+    for name in continued:
+        assert torch.equal(resumed_next[name], continued[name]), name
+    for result in results:
+        assert result["checkpoints"]["resumed_loss"] == result["checkpoints"]["continued_loss"]
+        at_pp1 = result["checkpoints"]["at_pp1"]
+        assert set(at_pp1) == set(saved)
+        for name in saved:
+            assert torch.equal(at_pp1[name], saved[name]), name
+    back = merged(results, "checkpoints", "back_at_pp2")
+    for name in saved:
+        assert torch.equal(back[name], saved[name]), name
+
+
+REFUSALS = {
+    "batch": "ValueError: mixed_fsdp2: a batch of 6 does not split into pipeline_microbatches=4",
+    "direct_call": "RuntimeError: MixedFSDP2Strategy: under pipeline parallelism this model holds stages [",
+    "tied": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): LlamaForCausalLM ties its head to its embedding",
+    "empty_split": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): pipeline_split=['model.layers.0'] leaves",
+    "unsplittable": "ValueError: MixedFSDP2Strategy (Sequential): Sequential cannot be split into pipeline stages",
+    "unpipelined": "RuntimeError: MixedFSDP2Strategy.pipeline_step: pipeline_parallel_size is 1",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_each_refusal_is_raised_on_every_rank_with_its_fix(results: list, case: str) -> None:
+    for result in results:
+        assert result["refusals"][case].startswith(REFUSALS[case]), result["refusals"][case]
