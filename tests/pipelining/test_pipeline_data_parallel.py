@@ -1,0 +1,90 @@
+"""4 ranks: pipeline parallelism 2 composed with FSDP 2 (each stage sharded over 2 ranks) and with HSDP's replicate 2
+(shard 1): each data-parallel replica trains on its part of the global batch, and the result equals one process on
+the whole batch (32-true: losses, the clip norm, every param by name)."""
+
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from tests.conftest import Launch
+from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged
+from tests.scenarios import full_params, make_fabric, unwrap
+
+WORLD = 4
+LAYOUTS = {
+    "fsdp": {"data_parallel_size": 2},
+    "hsdp": {"data_parallel_replicate_size": 2, "data_parallel_size": 1},
+}
+
+
+def _layout(rank: int, name: str) -> Dict[str, Any]:
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    strategy = MixedFSDP2Strategy(pipeline_parallel_size=2, pipeline_microbatches=2, **LAYOUTS[name])
+    fabric = make_fabric(WORLD, "32-true", strategy)
+    model = llama()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
+        loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
+        torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
+        losses.append(loss.item() / sampler["num_replicas"])
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e9).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    placements = {n: tuple(repr(p) for p in param.placements) for n, param in unwrap(model).named_parameters()}
+    return {
+        "sampler": sampler,
+        "losses": losses,
+        "norms": norms,
+        "params": full_params(model),
+        "placements": placements,
+        "pipeline_rank": fabric.strategy.meshes.pipeline.get_local_rank(),
+    }
+
+
+def _scenarios(rank: int, world_size: int) -> Dict[str, Any]:
+    return {name: _layout(rank, name) for name in LAYOUTS}
+
+
+LAUNCH = Launch(_scenarios, WORLD, with_folder=False, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    model = llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_with_data_parallel_equals_one_process(results: list, reference: Dict[str, Any], layout: str) -> None:
+    assert [r[layout]["pipeline_rank"] for r in results] == [0, 0, 1, 1], "the pipeline dim is outermost"
+    assert [r[layout]["sampler"] for r in results] == [{"num_replicas": 2, "rank": i} for i in (0, 1, 0, 1)]
+    for result in results:
+        assert result[layout]["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert result[layout]["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    stages = merged([results[0], results[2]], layout, "params")
+    assert set(stages) == set(reference["params"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(stages[name], value.detach(), atol=1e-5, rtol=0, msg=name)
+        for replica in (results[1], results[3]):
+            if name in replica[layout]["params"]:
+                assert torch.equal(replica[layout]["params"][name], stages[name]), name
+
+
+def test_each_stage_shards_over_its_own_data_parallel_ranks(results: list) -> None:
+    weight = "model.layers.0.mlp.up_proj.weight"
+    assert results[0]["fsdp"]["placements"][weight] == ("Shard(dim=0)",)
+    assert results[0]["hsdp"]["placements"][weight] == ("Replicate()", "Shard(dim=0)")

@@ -1,0 +1,166 @@
+"""Pipeline stages planned without processes: the options' refusals (every problem at once), the balanced and the
+named splits of HF decoders and of block-list models, the mesh sizes."""
+
+from typing import Any, List
+
+import pytest
+from torch import nn
+
+from lightning_mixedfsdp import MixedFSDPConfig
+from lightning_mixedfsdp.mesh import ParallelDims
+from lightning_mixedfsdp.planning.stages import plan_stages, stages_of_rank
+from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
+from tests.hf_models import tiny_model
+
+
+def problems(**options: Any) -> List[str]:
+    return MixedFSDPConfig(**options).problems()
+
+
+OPTION_REFUSALS = {
+    "schedule": (
+        dict(pipeline_parallel_size=2, pipeline_schedule="ZBVZeroBubble"),
+        "parallelism.pipeline_schedule='ZBVZeroBubble' is not supported; use one of ['1F1B', 'GPipe',"
+        " 'Interleaved1F1B'].",
+    ),
+    "one_stage_interleaved": (
+        dict(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", pipeline_stages_per_rank=1),
+        "pipeline_schedule='Interleaved1F1B' runs several stages per rank and pipeline_stages_per_rank=1; set"
+        " pipeline_stages_per_rank=2",
+    ),
+    "two_stages_1f1b": (
+        dict(pipeline_parallel_size=2, pipeline_stages_per_rank=2),
+        "pipeline_schedule='1F1B' runs one stage per rank and pipeline_stages_per_rank=2",
+    ),
+    "too_few_microbatches": (
+        dict(pipeline_parallel_size=4, pipeline_microbatches=2),
+        "pipeline_microbatches=2 is fewer than 1F1B needs (at least pipeline_parallel_size=4",
+    ),
+    "rounds": (
+        dict(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", pipeline_microbatches=5),
+        "pipeline_microbatches=5 does not split into Interleaved1F1B's 2 rounds",
+    ),
+    "tensor_parallel": (
+        dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+        "pipeline_parallel_size=2 with tensor_parallel_size=2 is not supported yet",
+    ),
+    "context_parallel": (
+        dict(pipeline_parallel_size=2, context_parallel_size=2),
+        "pipeline_parallel_size=2 with context_parallel_size=2 is not supported yet",
+    ),
+    "expert_parallel": (
+        dict(pipeline_parallel_size=2, expert_parallel_size=2),
+        "pipeline_parallel_size=2 with expert_parallel_size=2 is not supported yet",
+    ),
+    "semi_sync": (
+        dict(pipeline_parallel_size=2, data_parallel_replicate_size=2, replicate_sync="diloco"),
+        "pipeline_parallel_size=2 with replicate_sync='diloco' is not supported yet",
+    ),
+    "fault_tolerance": (
+        dict(pipeline_parallel_size=2, fault_tolerance={"replica_id": 0, "num_replica_groups": 2}),
+        "parallelism.pipeline_parallel_size=2 with fault_tolerance is not supported yet",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTION_REFUSALS))
+def test_each_pipeline_option_refusal_names_the_fix(case: str) -> None:
+    options, message = OPTION_REFUSALS[case]
+    assert any(message in problem for problem in problems(**options)), problems(**options)
+
+
+def test_every_pipeline_problem_is_reported_at_once() -> None:
+    found = problems(
+        pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_stages_per_rank=2, expert_parallel_size=2
+    )
+    assert len([p for p in found if "pipeline" in p]) == 2, found
+
+
+def test_defaults_resolve_stages_and_microbatches_per_schedule() -> None:
+    one = MixedFSDPConfig(pipeline_parallel_size=4).parallelism
+    interleaved = MixedFSDPConfig(pipeline_parallel_size=4, pipeline_schedule="Interleaved1F1B").parallelism
+    assert (one.stages_per_rank, one.microbatches) == (1, 4)
+    assert (interleaved.stages_per_rank, interleaved.microbatches) == (2, 8)
+    assert MixedFSDPConfig().sharding.resolved_reshard_after_forward(1) is True
+    assert MixedFSDPConfig().sharding.resolved_reshard_after_forward(2) is False
+    assert MixedFSDPConfig(reshard_after_forward=True).sharding.resolved_reshard_after_forward(2) is True
+
+
+def names(stages: Any) -> List[List[str]]:
+    return [list(stage.modules) for stage in stages]
+
+
+def test_an_hf_decoder_splits_into_balanced_stages_embedding_first_head_last() -> None:
+    model = tiny_model("llama", num_hidden_layers=6, tie_word_embeddings=False)
+    stages, found = plan_stages(model, 4)
+    assert found == []
+    assert names(stages) == [
+        ["model.embed_tokens", "model.layers.0"],
+        ["model.layers.1", "model.layers.2"],
+        ["model.layers.3", "model.layers.4"],
+        ["model.layers.5", "model.norm", "lm_head"],
+    ]
+    assert stages_of_rank(1, 2, 2) == [1, 3]
+
+
+def test_qwen3_splits_and_a_named_split_is_followed() -> None:
+    model = tiny_model("qwen3", num_hidden_layers=4, tie_word_embeddings=False)
+    stages, found = plan_stages(model, 2, ["model.layers.3"])
+    assert found == [] and names(stages)[1] == ["model.layers.3", "model.norm", "lm_head"]
+
+
+def test_a_block_list_model_splits_at_the_blocks_it_declares() -> None:
+    model = TinyLlama(TinyLlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=4, hidden_dim=64))
+    stages, found = plan_stages(model, 2)
+    assert found == []
+    assert names(stages) == [["tok_embeddings", "layers.0", "layers.1"], ["layers.2", "layers.3", "norm", "output"]]
+
+
+class UsersModel(nn.Module):
+    """A model as people write it: embedding, a block list, a head; no pipeline declaration."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 16)
+
+
+def test_a_users_model_splits_once_pipeline_split_names_its_blocks() -> None:
+    refused, found = plan_stages(UsersModel(), 2)
+    assert refused is None and "UsersModel cannot be split into pipeline stages automatically" in found[0]
+    stages, found = plan_stages(UsersModel(), 2, ["blocks.2"])
+    assert found == [] and names(stages) == [["embed", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "head"]]
+
+
+SPLIT_REFUSALS = {
+    "more_stages_than_blocks": (
+        4,
+        None,
+        "4 pipeline stages (pipeline_parallel_size x pipeline_stages_per_rank) exceed",
+    ),
+    "wrong_count": (2, ["model.layers.1", "model.layers.2"], "gives 3 stages and pipeline_parallel_size x"),
+    "unknown_name": (2, ["model.layers.9"], "pipeline_split names ['model.layers.9'], which are not blocks"),
+    "empty_stage": (3, ["model.layers.1", "model.layers.1"], "leaves stage 1 without a block"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_REFUSALS))
+def test_each_split_refusal_names_the_fix(case: str) -> None:
+    num_stages, split, message = SPLIT_REFUSALS[case]
+    model = tiny_model("llama", num_hidden_layers=3, tie_word_embeddings=False)
+    stages, found = plan_stages(model, num_stages, split)
+    assert stages is None and any(message in p for p in found), found
+
+
+def test_tied_embeddings_are_refused_by_name() -> None:
+    stages, found = plan_stages(tiny_model("llama", tie_word_embeddings=True), 2)
+    assert stages is None
+    assert "ties its head to its embedding (lm_head.weight is model.embed_tokens.weight)" in found[0]
+
+
+def test_the_pipeline_size_must_divide_the_world() -> None:
+    found = ParallelDims.resolve_problems(world_size=6, devices_per_node=6, pipeline=4, data_parallel_size=1)
+    assert any("pipeline_parallel_size=4 must divide the world size (6)" in p for p in found), found
+    dims = ParallelDims.resolve(world_size=8, devices_per_node=8, pipeline=2, replicate=2)
+    assert (dims.pipeline, dims.replicate, dims.shard, dims.lightning_data_parallel) == (2, 2, 2, 8)
