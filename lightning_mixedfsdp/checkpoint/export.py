@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +97,7 @@ def export_model(
     max_shard_bytes: int = 5 * 2**30,
     chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES,
     also_write: Optional[AlsoWrite] = None,
+    stages: Optional["PipelineStages"] = None,
 ) -> Optional[List[Path]]:
     """Write the full weights as HF safetensors, committed as a whole; every rank must call it.
 
@@ -106,8 +107,9 @@ def export_model(
     beside them, so ``from_pretrained(directory)`` loads the export; its ``dtype`` (and each sub-config's) states the
     bulk's stored dtype (:func:`bulk_dtype`). ``also_write(folder)`` adds files of the caller's
     on rank 0 (a tokenizer) before the commit. A PEFT model is exported merged under the base model's names, each
-    layer's adapters folded into its base weight region by region. Returns the written files on rank 0, None
-    elsewhere."""
+    layer's adapters folded into its base weight region by region. Under pipeline parallelism (``stages``) each
+    stage gathers its own tensors over its data-parallel ranks and sends them to rank 0, which writes one folder
+    with every stage's tensors under their names. Returns the written files on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     model = unwrap_model(model)
@@ -116,6 +118,11 @@ def export_model(
     if is_peft_model(model):
         tensors = _merged_peft_tensors(model, tensors)
         keep_fp32 = {base for base in (peft_base_name(n) for n in keep_fp32) if base is not None}
+    manifest = plan.keep_fp32_manifest
+    if stages is not None:
+        tensors = stages.every_stages_tensors(tensors)
+        keep_fp32 = set().union(*stages.every_stages(sorted(keep_fp32)))
+        manifest = {name: rule for part in stages.every_stages(manifest) for name, rule in part.items()}
 
     def target_dtype(name: str, source: torch.dtype) -> torch.dtype:
         return (torch.float32 if name in keep_fp32 else dtype) if source.is_floating_point else source
@@ -130,13 +137,12 @@ def export_model(
         if also_write is not None:
             also_write(folder)
 
-    manifest = plan.keep_fp32_manifest
     if is_peft_model(model):
         manifest = {base: rule for name, rule in manifest.items() if (base := peft_base_name(name)) is not None}
 
     def write(folder: Optional[Path], agreement: Agreement) -> None:
         metadata = {MANIFEST_KEY: json.dumps(manifest, sort_keys=True), BF16_UPDATES_KEY: plan.bf16_updates}
-        layout.write(folder, chunk_bytes, agreement, metadata)
+        layout.write(folder, chunk_bytes, agreement, metadata, agree_every_chunk=stages is None)
 
     written = _staged(Path(directory), "export_safetensors", write, finish)
     return written if dist.get_rank() == 0 else None
@@ -206,10 +212,12 @@ class _Layout:
         chunk_bytes: int,
         agreement: Optional[Agreement],
         metadata: Optional[Dict[str, str]] = None,
+        agree_every_chunk: bool = True,
     ) -> None:
         """Every rank walks the regions (collectives); the rank given a ``folder`` writes them. With an
-        ``agreement``, a failure to write reaches every rank within about one chunk of data; without one (a single
-        process) it raises at once."""
+        ``agreement``, a failure to write reaches every rank within about one chunk of data (at the end when not
+        ``agree_every_chunk``: pipeline stages walk different regions); without one (a single process) it raises at
+        once."""
         region_bytes = max(1, chunk_bytes // 2)
         since_agreement = 0
         file_metadata = {"format": "pt", **(metadata or {})}
@@ -221,7 +229,7 @@ class _Layout:
                     stream.write(name, dim, start, stop, value.to(dtype))
                     since_agreement += value.numel() * dtype.itemsize
                     del value
-                    if agreement is not None and since_agreement >= chunk_bytes:
+                    if agreement is not None and agree_every_chunk and since_agreement >= chunk_bytes:
                         agreement.agree()
                         since_agreement = 0
             stream.close()
@@ -404,3 +412,86 @@ def _merged_regions(pending: _Pending, module: Any, adapter: str, region_bytes: 
         merged = value.clone()
         merged += delta.to(lora_b.dtype)
         yield dim, start, stop, merged
+
+
+class PipelineStages:
+    """How an export reaches across pipeline stages: ``group`` is this rank's pipeline group (the ranks of the other
+    stages with its own data-parallel coordinates); ``sends`` whether this rank sends its stage's tensors to rank 0
+    (its stage's first data-parallel rank, in rank 0's pipeline group)."""
+
+    _END = -1
+
+    def __init__(self, group: Any, sends: bool) -> None:
+        import torch.distributed as dist
+
+        self.group, self.sends = group, sends
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.writer = dist.get_rank() == 0
+
+    def every_stages(self, value: Any) -> List[Any]:
+        """``value`` of every stage, in stage order."""
+        import torch.distributed as dist
+
+        gathered: List[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
+    def every_stages_tensors(self, tensors: List[_Pending]) -> List[_Pending]:
+        """Every stage's tensors in stage order: this stage's walk their regions (collectives over its data-parallel
+        ranks) and, on the sending rank, send them to rank 0; rank 0 receives the others'."""
+        described = self.every_stages([(t.name, tuple(t.shape), t.dtype) for t in tensors])
+        every: List[_Pending] = []
+        for stage, entries in enumerate(described):
+            for index, (name, shape, dtype) in enumerate(entries):
+                if stage == self.rank:
+                    regions = partial(self._sent, tensors[index].regions)
+                elif self.writer:
+                    regions = partial(self._received, stage, shape, dtype)
+                else:
+                    regions = _nothing
+                every.append(_Pending(name, torch.Size(shape), dtype, regions))
+        return every
+
+    def _sent(self, regions: Callable[[int], Iterator[Region]], region_bytes: int) -> Iterator[Region]:
+        import torch.distributed as dist
+
+        for dim, start, stop, value in regions(region_bytes):
+            if self.writer:
+                yield dim, start, stop, value
+            elif self.sends:
+                peer = dist.get_global_rank(self.group, 0)
+                dist.send(torch.tensor([dim, start, stop], device=value.device), peer, group=self.group)
+                dist.send(value.contiguous(), peer, group=self.group)
+        if self.sends and not self.writer:
+            end = torch.tensor([self._END, 0, 0], device=_device_of(self.group))
+            dist.send(end, dist.get_global_rank(self.group, 0), group=self.group)
+
+    def _received(self, stage: int, shape: Tuple[int, ...], dtype: torch.dtype, _: int) -> Iterator[Region]:
+        import torch.distributed as dist
+
+        peer, device = dist.get_global_rank(self.group, stage), _device_of(self.group)
+        while True:
+            header = torch.empty(3, dtype=torch.int64, device=device)
+            dist.recv(header, peer, group=self.group)
+            dim, start, stop = header.tolist()
+            if dim == self._END:
+                return
+            region_shape = list(shape)
+            if region_shape:
+                region_shape[dim] = stop - start
+            value = torch.empty(region_shape, dtype=dtype, device=device)
+            dist.recv(value, peer, group=self.group)
+            yield dim, start, stop, value
+
+
+def _nothing(_: int) -> Iterator[Region]:
+    return iter(())
+
+
+def _device_of(group: Any) -> torch.device:
+    """The device a group's point-to-point tensors live on (CUDA for NCCL, the CPU for gloo)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mixedfsdp.checkpoint.atomic import PathLike, recovered, save_atomically
-from lightning_mixedfsdp.checkpoint.export import AlsoWrite, export_adapter, export_model
+from lightning_mixedfsdp.checkpoint.export import AlsoWrite, PipelineStages, export_adapter, export_model
 from lightning_mixedfsdp.checkpoint.fingerprint import FINGERPRINT_KEY, fingerprint_differences, frozen_fingerprints
 from lightning_mixedfsdp.checkpoint.manifest import MANIFEST_KEY, manifest_differences
 from lightning_mixedfsdp.checkpoint.optimizer_state import (
@@ -50,6 +50,7 @@ class CheckpointingMixin:
     barrier: Callable[..., Any]
     plan_of: Callable[[nn.Module], ShardPlan]
     _same_params_group: Callable[[], Any]
+    _export_stages: Callable[[], Optional[PipelineStages]]
 
     @staticmethod
     def _keyed_by_name(enabled: bool, action: Callable[[], Any]) -> Any:
@@ -218,7 +219,8 @@ class CheckpointingMixin:
         at once (``also_write(folder)``: more files of yours in it, on rank 0, e.g. a tokenizer). Each rank holds at
         most about ``weights.export_chunk_bytes`` of a tensor at once."""
         chunk = self._config.weights.export_chunk_bytes
-        return export_model(module, directory, dtype, self.plan_of(module), max_shard_bytes, chunk, also_write)
+        plan, stages = self.plan_of(module), self._export_stages()
+        return export_model(module, directory, dtype, plan, max_shard_bytes, chunk, also_write, stages)
 
     def export_adapter(self, module: nn.Module, directory: PathLike) -> Optional[List[Path]]:
         """Write the active adapter of a PEFT ``module`` in PEFT's own format (``adapter_model.safetensors`` +

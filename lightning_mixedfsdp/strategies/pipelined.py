@@ -8,6 +8,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp.checkpoint.export import PipelineStages
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
@@ -134,6 +135,14 @@ class PipelineMixin:
         """The ranks that hold the same params: this stage's data-parallel ranks under pipeline parallelism; None
         (every rank) without."""
         return self.meshes.replicas.get_group() if self.pipelined else None
+
+    def _export_stages(self) -> Optional[PipelineStages]:
+        """How an export reaches across the stages (each stage's first data-parallel rank sends to rank 0), or
+        None without pipeline parallelism."""
+        group = self._pipeline_group()
+        if group is None:
+            return None
+        return PipelineStages(group, sends=self.meshes.data_parallel.get_local_rank() == 0)
 
     def _pipeline_group(self) -> Optional[Any]:
         """The pipeline ranks' group (gradient norms add up over it), or None."""

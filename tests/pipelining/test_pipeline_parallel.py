@@ -2,6 +2,7 @@
 (32-true: losses, the clip norm and every param by name), bf16 stages keep their fp32 params and send bf16, DCP
 checkpoints move between pipeline sizes, and every refusal is raised on every rank."""
 
+import json
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -71,7 +72,7 @@ def _schedules(rank: int) -> Dict[str, Any]:
     return out
 
 
-def _bf16_stages(rank: int) -> Dict[str, Any]:
+def _bf16_stages(rank: int, folder: str) -> Dict[str, Any]:
     """A Llama (fp32 norms in every layer) and this project's TinyLlama with Mamba-style mixers (``A_log`` kept
     fp32: a replicated param inside its block's bf16 FSDP unit), each in two bf16 stages."""
     from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaConfig
@@ -82,6 +83,8 @@ def _bf16_stages(rank: int) -> Dict[str, Any]:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     out["llama"] = {n: p.dtype for n, p in unwrap(model).named_parameters()}
     out["llama_losses"] = [_step(fabric, model, optimizer, batch) for batch in batches()[:STEPS] * 2]
+    fabric.strategy.export_safetensors(model, Path(folder) / "export")
+    out["llama_params"] = full_params(model)
     runner = fabric.strategy._runner_of(model, "test")
     out["boundaries"] = {
         stage: (b.received.dtype, b.emitted.dtype) for _, bs in runner._schedules.values() for stage, b in bs.items()
@@ -176,7 +179,7 @@ def _refusals(rank: int) -> Dict[str, str]:
 def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {
         "schedules": _schedules(rank),
-        "bf16": _bf16_stages(rank),
+        "bf16": _bf16_stages(rank, folder),
         "checkpoints": _checkpoints(rank, folder),
         "refusals": _refusals(rank),
     }
@@ -256,6 +259,21 @@ def test_bf16_stages_keep_fp32_params_and_send_bf16(results: list) -> None:
     a_logs = {name for result in results for name in result["bf16"]["a_log_moved"]}
     assert len(a_logs) == 4, "every mixer's A_log on its stage"
     assert all(moved for result in results for moved in result["bf16"]["a_log_moved"].values())
+
+
+def test_the_export_from_pipeline_ranks_is_one_folder_from_pretrained_loads(results: list, folder: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    trained = merged(results, "bf16", "llama_params")
+    stored = {n: t for path in sorted((folder / "export").glob("*.safetensors")) for n, t in load_file(path).items()}
+    assert set(stored) == set(trained)
+    for name, value in trained.items():
+        assert stored[name].dtype == value.dtype and torch.equal(stored[name], value), name
+    assert json.loads((folder / "export" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(folder / "export", dtype=torch.float32)
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param.detach(), trained[name].float()), name
 
 
 def test_a_checkpoint_moves_between_pipeline_sizes(results: list) -> None:
