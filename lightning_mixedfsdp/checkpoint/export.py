@@ -443,6 +443,7 @@ class PipelineStages:
         every: List[_Pending] = []
         for stage, entries in enumerate(described):
             for index, (name, shape, dtype) in enumerate(entries):
+                regions: Callable[[int], Iterator[Region]]
                 if stage == self.rank:
                     regions = partial(self._sent, tensors[index].regions)
                 elif self.writer:
