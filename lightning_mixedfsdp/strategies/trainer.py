@@ -30,11 +30,14 @@ from lightning_mixedfsdp.strategies.trainer_checkpoints import TrainerCheckpoint
 
 
 class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
-    """The same plugin for the Trainer; clipping by norm works over mixed placements and dtypes."""
+    """The same plugin for the Trainer; clipping by norm works over mixed placements and dtypes (and over pipeline
+    stages: ``norm_across``, set by the strategy)."""
+
+    norm_across: Any = None
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val)
+        clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.norm_across)
 
 
 class MixedFSDP2Strategy(TrainerCheckpointing):
@@ -103,6 +106,7 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
         shards the children) and a meta model is initialised by the model setup, one chunk at a time, instead of by
         ``reset_parameters`` on every rank's full copy."""
         assert self.model is not None and self.accelerator is not None
+        self._refuse_unpipelined_loop(trainer)
         self.accelerator.setup(trainer)
         refuse_fsdp1_modules(self.model, type(self).__name__)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -111,8 +115,35 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self.precision_plugin.norm_across = self._pipeline_group()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
+
+    def _refuse_unpipelined_loop(self, trainer: "pl.Trainer") -> None:
+        """Under pipeline parallelism a training step must run ``pipeline_step`` itself: Lightning's automatic
+        optimization would call the model (a stage) directly, and its gradient accumulation would reduce per batch
+        what the pipeline accumulates over micro-batches."""
+        module = self.lightning_module
+        if not self.pipelined or module is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        problems = []
+        if module.automatic_optimization:
+            problems.append(
+                f"{type(module).__name__} uses automatic optimization; set `self.automatic_optimization = False` and"
+                " in `training_step` call `loss = self.trainer.strategy.pipeline_step(self.model, inputs, target=...,"
+                " loss_fn=...)`, then `self.clip_gradients(...)` if you clip, `optimizer.step()`,"
+                " `optimizer.zero_grad()` and your scheduler's `step()`"
+            )
+        if trainer.accumulate_grad_batches > 1:
+            problems.append(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: raise"
+                " pipeline_microbatches instead (a larger batch split into more micro-batches)"
+            )
+        if problems:
+            size = self._config.parallelism.pipeline_parallel_size
+            raise ValueError(
+                f"{type(self).__name__}: under pipeline_parallel_size={size}, " + "; ".join(problems) + "."
+            )
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

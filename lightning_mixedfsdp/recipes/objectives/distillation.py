@@ -67,6 +67,8 @@ TEACHER = "teacher"
 class Distillation(ChatLM):
     """The student (``model``) and the frozen teacher (``teacher``); see the module's docstring."""
 
+    pipelines = False  # a second model (the teacher) in each step: not split into stages yet
+
     formats: ClassVar[Tuple[str, ...]] = ("text", *FINE_TUNING)
     evaluated = "the student's held-out perplexity"
 

@@ -2,7 +2,7 @@
 token, held-out perplexity from torchmetrics."""
 
 import math
-from typing import ClassVar, List, Optional, Tuple
+from typing import Any, ClassVar, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,13 @@ from lightning_mixedfsdp.apply.context_parallel import ContextParallel, shifted_
 from lightning_mixedfsdp.model.tensors import IGNORE_INDEX
 from lightning_mixedfsdp.recipes.data.text import TextCorpus, data_problems
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, causal_lm_loss
-from lightning_mixedfsdp.recipes.objectives.objective import UNTRAINED_PPL, Objective, Schedule, TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.objective import (
+    UNTRAINED_PPL,
+    Objective,
+    PipelineBatch,
+    Schedule,
+    TrainingLoss,
+)
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe
 
 
@@ -25,6 +31,7 @@ class CausalLM(Objective):
 
     formats: ClassVar[Tuple[str, ...]] = ("text",)
     evaluated = "held-out perplexity"
+    pipelines = True
 
     def __init__(
         self,
@@ -78,7 +85,26 @@ class CausalLM(Objective):
         return TrainingLoss(loss, loss.detach())
 
     @override
+    def pipeline_batch(self, tokens: Tensor) -> PipelineBatch:
+        return PipelineBatch(tokens, tokens, lambda output, target: causal_lm_loss(output_logits(output), target))
+
+    def evaluate_pipelined(self, inputs: Any, labels: Tensor) -> None:
+        """The held-out batch through the stages; the last stage's ranks add their logits to the metric (the others
+        add nothing: the metric's sums over every rank count each replica's batch once)."""
+
+        def update(output: Any, target: Tensor) -> Tensor:
+            logits = output_logits(output)[:, :-1].float()
+            self.held_out_perplexity.update(logits, target[:, 1:])
+            return logits.new_zeros(())
+
+        strategy: Any = self.trainer.strategy
+        strategy.pipeline_eval(self.model, inputs, target=labels, loss_fn=update)
+
+    @override
     def evaluate(self, tokens: Tensor) -> None:
+        if self.schedule.pipelined:
+            self.evaluate_pipelined(tokens, tokens)
+            return
         context = self.context_parallel()
         if context is None:
             self.held_out_perplexity.update(self.logits(tokens)[:, :-1].float(), tokens[:, 1:])
@@ -109,6 +135,11 @@ class CausalLM(Objective):
         first = f"{untrained:.2f} {start}" if untrained is not None else f"not evaluated {start}"
         finish = f"{trained:.2f}" if trained is not None else "not evaluated"
         return f"held-out perplexity: {first} -> {finish} after {steps} steps"
+
+
+def output_logits(output: Any) -> Tensor:
+    """The logits of a model's output: an HF output object's, or the tensor itself (the reference model)."""
+    return output if isinstance(output, Tensor) else output.logits
 
 
 def summed_token_loss(logits: Tensor, targets: Tensor) -> Tensor:

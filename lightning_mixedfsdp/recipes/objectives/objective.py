@@ -9,7 +9,7 @@ the ``train_loss`` and ``lr`` logs. A new objective is a subclass in its own fil
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, NamedTuple, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -73,15 +73,30 @@ class Schedule(NamedTuple):
     """``adamw``, or ``muon``: Muon for the blocks' matrices beside AdamW (``muon_with_adamw``)."""
     muon_lr: float = 0.02
     adjust_lr_fn: str = "original"
+    pipelined: bool = False
+    """Pipeline parallelism: each step runs ``strategy.pipeline_step`` under manual optimization."""
+    gradient_clip: Optional[float] = None
+    """The norm a pipelined step clips to (the Trainer's ``gradient_clip_val`` otherwise)."""
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Schedule":
         optim = recipe.optimizer
         betas = (optim.betas[0], optim.betas[1])
+        pipelined = recipe.strategy.parallelism.pipeline_parallel_size > 1
         return cls(
             optim.lr, optim.weight_decay, betas, optim.warmup_steps, recipe.trainer.max_steps, optim.name,
-            optim.muon_lr, optim.adjust_lr_fn,
+            optim.muon_lr, optim.adjust_lr_fn, pipelined, recipe.trainer.gradient_clip_val or None,
         )  # fmt: skip
+
+
+class PipelineBatch(NamedTuple):
+    """What one pipelined step takes of a batch (``strategy.pipeline_step``'s arguments)."""
+
+    inputs: Any
+    target: Tensor
+    loss_fn: Callable[[Any, Any], Tensor]
+    reduction: str = "mean"
+    """``mean``: ``loss_fn`` is a micro-batch's mean; ``sum``: it is normalised over the whole step already."""
 
 
 class TrainingLoss(NamedTuple):
@@ -102,6 +117,8 @@ class Objective(pl.LightningModule, ABC):
     untrained_key: ClassVar[str] = UNTRAINED_PPL
     """The logged name of the held-out evaluation before training (logged at step 0 by hand): a resumed launch's
     summary reads it back."""
+    pipelines: ClassVar[bool] = False
+    """Whether it trains under pipeline parallelism (it implements :meth:`pipeline_batch`)."""
 
     def __init__(self, model: ModelSection, schedule: Schedule, peft: Optional[PeftSection] = None) -> None:
         super().__init__()
@@ -110,6 +127,7 @@ class Objective(pl.LightningModule, ABC):
         self.model: Optional[nn.Module] = build_model(model, self.peft) if reference_model_config(model) else None
         self.evaluations: Dict[str, float] = {}
         """The held-out evaluations of this launch: ``untrained`` (the sanity check), ``step N``."""
+        self.automatic_optimization = not schedule.pipelined
 
     # -- what a batch holds
 
@@ -159,6 +177,10 @@ class Objective(pl.LightningModule, ABC):
     @abstractmethod
     def training_loss(self, batch: Any) -> TrainingLoss:
         """This micro-batch's loss."""
+
+    def pipeline_batch(self, batch: Any) -> PipelineBatch:
+        """``batch`` as one pipelined step's inputs, target and loss (objectives with ``pipelines = True``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not train under pipeline parallelism yet.")
 
     # -- what is evaluated and logged
 
@@ -215,9 +237,30 @@ class Objective(pl.LightningModule, ABC):
 
     @override
     def training_step(self, batch: Any, _: int) -> Tensor:
+        if self.schedule.pipelined:
+            return self.pipelined_step(batch)
         loss, logged = self.training_loss(batch)
         self.log("train_loss", logged, prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])  # the rate this step's update uses
+        return loss
+
+    def pipelined_step(self, batch: Any) -> Tensor:
+        """One optimizer step under pipeline parallelism (manual optimization): every micro-batch's forward and
+        backward through the stages, the clip (its norm over every stage), the step and the scheduler's."""
+        optimizer: Any = self.optimizers()  # one optimizer, one scheduler: configure_optimizers'
+        scheduler: Any = self.lr_schedulers()
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        inputs, target, loss_fn, reduction = self.pipeline_batch(batch)
+        strategy: Any = self.trainer.strategy
+        loss = strategy.pipeline_step(self.model, inputs, target=target, loss_fn=loss_fn, loss_reduction=reduction)
+        if self.schedule.gradient_clip:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.schedule.gradient_clip, gradient_clip_algorithm="norm"
+            )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        self.log("train_loss", loss, prog_bar=True)
         return loss
 
     @override

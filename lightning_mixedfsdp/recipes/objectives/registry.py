@@ -55,7 +55,39 @@ def objective_problems(recipe: Recipe) -> List[str]:
         for other, objective in OBJECTIVES.items()
         if recipe.objective is not None and other != name and (key := objective.asked_for(recipe)) is not None
     ]
-    return problems + OBJECTIVES[name].recipe_problems(recipe)
+    return problems + OBJECTIVES[name].recipe_problems(recipe) + pipeline_problems(recipe, name)
+
+
+def pipeline_problems(recipe: Recipe, name: str) -> List[str]:
+    """What pipeline parallelism cannot train of the recipe (before launch): an objective whose step is not one
+    model's forward and backward, gradient accumulation, adapters, a batch that does not split into the
+    micro-batches."""
+    parallelism = recipe.strategy.parallelism
+    size = parallelism.pipeline_parallel_size
+    if size == 1:
+        return []
+    key = f"strategy.parallelism.pipeline_parallel_size={size}"
+    problems = []
+    if not OBJECTIVES[name].pipelines:
+        trained = sorted(other for other, objective in OBJECTIVES.items() if objective.pipelines)
+        problems.append(
+            f"objective {name!r} does not train under {key} yet (its step is more than one model's forward and"
+            f" backward through the stages); objectives {trained} do: set pipeline_parallel_size=1 for {name!r}"
+        )
+    if recipe.trainer.accumulate_grad_batches > 1:
+        problems.append(
+            f"trainer.accumulate_grad_batches={recipe.trainer.accumulate_grad_batches} with {key}: set it to 1 and"
+            " raise data.batch_size with strategy.parallelism.pipeline_microbatches instead"
+        )
+    if recipe.peft.enabled:
+        problems.append(f"peft.enabled=true with {key} is not supported yet: train the whole model, or use FSDP alone")
+    micro = parallelism.microbatches if isinstance(parallelism.pipeline_microbatches, (int, type(None))) else 1
+    if isinstance(recipe.data.batch_size, int) and recipe.data.batch_size % micro:
+        problems.append(
+            f"data.batch_size={recipe.data.batch_size} does not split into {micro} pipeline micro-batches"
+            " (strategy.parallelism.pipeline_microbatches); use a multiple of it"
+        )
+    return problems
 
 
 def unresolved_objective_problems(recipe: Recipe) -> List[str]:

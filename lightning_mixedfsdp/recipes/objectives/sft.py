@@ -10,7 +10,7 @@ losses over its trained tokens, however the rows are split into micro-batches an
 for the text recipes."""
 
 import math
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from torch import Tensor
 from typing_extensions import override
@@ -20,8 +20,8 @@ from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
 from lightning_mixedfsdp.recipes.data.sft import FINE_TUNING, fine_tuning_problems
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
-from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM, summed_token_loss
-from lightning_mixedfsdp.recipes.objectives.objective import TrainingLoss
+from lightning_mixedfsdp.recipes.objectives.language_modeling import CausalLM, output_logits, summed_token_loss
+from lightning_mixedfsdp.recipes.objectives.objective import PipelineBatch, TrainingLoss
 from lightning_mixedfsdp.recipes.settings.schema import Recipe
 
 Batch = Dict[str, Tensor]
@@ -52,11 +52,27 @@ class ChatLM(CausalLM):
     def data_problems(cls, recipe: Recipe, ranks: int) -> List[str]:
         return fine_tuning_problems(recipe.data, ranks, packs_rows(recipe))
 
+    def _num_items(self, batch: Batch) -> Tensor:
+        """This rank's share of the step's trained tokens: what its summed token loss is divided by, so that FSDP's
+        mean over the data-parallel ranks makes the step's loss the mean over all of them."""
+        return batch["step_tokens"][0].double() / (self.trainer.accumulate_grad_batches * self.data_parallel_ranks())
+
+    @override
+    def pipeline_batch(self, batch: Batch) -> PipelineBatch:  # type: ignore[override]
+        """Token-normalised over the whole step: each micro-batch's summed token loss over the step's share
+        (``sum``), exact however the trained tokens fall into the micro-batches."""
+        num_items = self._num_items(batch).float()
+        positions = "positions" if isinstance(self.model, TinyLlama) else "position_ids"
+        inputs = {"input_ids": batch["input_ids"], positions: batch["position_ids"]}
+
+        def loss(output: Any, labels: Tensor) -> Tensor:
+            return summed_token_loss(output_logits(output)[:, :-1], labels[:, 1:]) / num_items
+
+        return PipelineBatch(inputs, batch["labels"], loss, "sum")
+
     @override
     def training_loss(self, batch: Batch) -> TrainingLoss:  # type: ignore[override]
-        num_items = batch["step_tokens"][0].double() / (
-            self.trainer.accumulate_grad_batches * self.data_parallel_ranks()
-        )
+        num_items = self._num_items(batch)
         loss = self._loss(batch, num_items.float())
         trained = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().clamp_min(1)
         # the mean over this micro-batch's trained tokens, comparable between steps
@@ -82,6 +98,10 @@ class ChatLM(CausalLM):
     def evaluate(self, batch: Batch) -> None:  # type: ignore[override]
         assert self.model is not None  # configure_model built it
         ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
+        if self.schedule.pipelined:
+            name = "positions" if isinstance(self.model, TinyLlama) else "position_ids"
+            self.evaluate_pipelined({"input_ids": ids, name: positions}, labels)
+            return
         context = self.context_parallel()
         if context is not None:  # each rank its part of every row: the metric adds the parts up
             logits, local_labels = self.split_logits(ids, context, labels)

@@ -47,6 +47,8 @@ def model_key(recipe: Recipe) -> Optional[str]:
 class VisionChatLM(ChatLM):
     """:class:`ChatLM` for an image-text model: rows with images (and text-only ones), one per row."""
 
+    pipelines = False  # an image tower beside the decoder: not split into stages yet
+
     formats: ClassVar[Tuple[str, ...]] = (VISION_FORMAT, "chat")
     evaluated = "held-out perplexity on the trained tokens"
 

@@ -76,6 +76,7 @@ RECIPE_KEYS = {
     "tensor_parallel_size": "strategy.parallelism.tensor_parallel_size",
     "context_parallel_size": "strategy.parallelism.context_parallel_size",
     "expert_parallel_size": "strategy.parallelism.expert_parallel_size",
+    "pipeline_parallel_size": "strategy.parallelism.pipeline_parallel_size",
 }
 """The strategy's size names (as :class:`~lightning_mixedfsdp.mesh.ParallelDims` and the model setup say them) and the
 recipe keys that set them."""

@@ -103,6 +103,7 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
     folder = run_folder(recipe)
     kwargs = recipe.strategy_kwargs()
     kwargs["config"] = strategy_config(recipe)
+    pipelined = recipe.strategy.parallelism.pipeline_parallel_size > 1
     return pl.Trainer(
         accelerator=recipe.trainer.accelerator,
         devices=recipe.trainer.devices,
@@ -112,7 +113,8 @@ def build_trainer(recipe: Recipe, checkpoints: RunCheckpoints) -> pl.Trainer:
         max_steps=recipe.trainer.max_steps,
         max_epochs=1,  # one epoch, however often resumed or extended: every checkpoint is saved inside it
         accumulate_grad_batches=recipe.trainer.accumulate_grad_batches,
-        gradient_clip_val=recipe.trainer.gradient_clip_val or None,
+        # a pipelined objective clips in its own step (manual optimization), over every stage
+        gradient_clip_val=None if pipelined else recipe.trainer.gradient_clip_val or None,
         val_check_interval=recipe.trainer.val_check_interval,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=-1,  # the whole held-out set before training: the untrained perplexity
