@@ -34,10 +34,12 @@ class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
     stages: ``norm_across``, set by the strategy)."""
 
     norm_across: Any = None
+    last_norm: Optional[torch.Tensor] = None
+    """The total gradient norm the last clip by norm found (before clipping), for logging."""
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.norm_across)
+        self.last_norm = clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.norm_across)
 
 
 class MixedFSDP2Strategy(TrainerCheckpointing):
