@@ -205,3 +205,28 @@ def longest_sequence(
         return 0
     tokens = int(free_bytes / (batch * per_token)) * context_parallel
     return tokens - tokens % multiple
+
+
+def in_flight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int, per_rank: int = 1) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once (its peak): GPipe runs every forward first (all
+    ``microbatches``); 1F1B starts the backwards once the last stage has its first micro-batch (``num_stages -
+    stage``, at most ``microbatches``); Interleaved1F1B's warm-up holds ``(v - 1) x p + 2 x (p - 1 - rank) + 1`` of
+    its ``v`` chunks' micro-batches on rank ``stage % p`` (Megatron's count), shared by its ``v`` stages."""
+    if schedule == "GPipe":
+        return microbatches
+    if schedule == "1F1B":
+        return min(microbatches, num_stages - stage)
+    ranks = num_stages // per_rank
+    rank = stage % ranks
+    warmup = (per_rank - 1) * ranks + 2 * (ranks - 1 - rank) + 1
+    return math.ceil(min(per_rank * microbatches, warmup) / per_rank)
+
+
+def stage_activation_bytes(
+    shape: ActivationShape, blocks: int, last: bool, seq_len: int, micro_batch: int, checkpointing: bool = True
+) -> int:
+    """:func:`activation_bytes` of one micro-batch through a stage of ``blocks`` layers; the logits and the loss's
+    copies only on the ``last`` stage."""
+    per_layer = (6 * shape.hidden + 2 * shape.kv_hidden + 3 * shape.intermediate) * 2
+    layers = (blocks * shape.hidden * 2 + per_layer) if checkpointing else blocks * per_layer
+    return micro_batch * seq_len * (layers + (10 * shape.vocab if last else 0))

@@ -60,12 +60,15 @@ PARAM_COLUMNS = ("parameter", "shape", "storage", "compute", "reduce", "placemen
 
 
 def format_plan(
-    plan: ShardPlan, stalled: Optional[Mapping[str, float]] = None, optimizers: Optional[Mapping[str, str]] = None
+    plan: ShardPlan,
+    stalled: Optional[Mapping[str, float]] = None,
+    optimizers: Optional[Mapping[str, str]] = None,
+    stages: Optional[Mapping[str, int]] = None,
 ) -> str:
     """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``. ``stalled``: the
     precision monitor's latest share per param (``PrecisionMonitor.shares``), shown per row (the largest of a
     collapsed row's blocks). ``optimizers``: the optimizer each trainable param gets (``Muon``, ``AdamW``), shown
-    per row."""
+    per row. ``stages``: the pipeline stage of each param, a column after the name (blocks collapse per stage)."""
     in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
     fp32_compute = {n for m in plan.fp32_compute for n in plan.params_in(m)}
     param_rows: List[Tuple[str, ...]] = [
@@ -82,6 +85,10 @@ def format_plan(
         for p in plan.params.values()
     ]
     header: Tuple[str, ...] = PARAM_COLUMNS
+    if stages is not None:
+        header = (header[0], "stage", *header[1:])
+        names = [p.name for p in plan.params.values()]
+        param_rows = [(row[0], str(stages.get(n, "-")), *row[1:]) for row, n in zip(param_rows, names, strict=True)]
     if stalled is not None:
         header, param_rows = _with_stalled(header, param_rows, stalled)
     if optimizers is not None:

@@ -16,7 +16,7 @@ runs on pipeline rank ``s % pipeline_parallel_size`` (torch's loop order for sev
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -189,3 +189,13 @@ def _stage(layout: BlockLayout, index: int, start: int, stop: int, num_stages: i
 def stages_of_rank(pipeline_rank: int, pipeline_size: int, stages_per_rank: int) -> List[int]:
     """The stage indices ``pipeline_rank`` holds: ``rank, rank + size, ...`` (torch's loop order)."""
     return [pipeline_rank + k * pipeline_size for k in range(stages_per_rank)]
+
+
+def stage_of_params(model: nn.Module, stages: Sequence[Stage]) -> Dict[str, int]:
+    """Each param of ``model`` (uncut) by name, with the stage that holds it."""
+    found: Dict[str, int] = {}
+    for stage in stages:
+        for module in stage.modules:
+            for name, _ in model.get_submodule(module).named_parameters(prefix=module):
+                found[name] = stage.index
+    return found

@@ -164,3 +164,23 @@ def test_the_pipeline_size_must_divide_the_world() -> None:
     assert any("pipeline_parallel_size=4 must divide the world size (6)" in p for p in found), found
     dims = ParallelDims.resolve(world_size=8, devices_per_node=8, pipeline=2, replicate=2)
     assert (dims.pipeline, dims.replicate, dims.shard, dims.lightning_data_parallel) == (2, 2, 2, 8)
+
+
+def test_the_planner_prints_each_stage_with_its_memory(tmp_path: Any, capsys: Any) -> None:
+    from lightning_mixedfsdp.recipes.run.dry_run import main
+    from tests.hf_models import tiny_config
+
+    tiny_config("llama", num_hidden_layers=4, tie_word_embeddings=False).save_pretrained(tmp_path)
+    flags = ["--hf-config", str(tmp_path), "--world-size", "4", "--pipeline", "2", "--seq-len", "64", "--batch", "4"]
+    main([*flags, "--pipeline-schedule", "GPipe"])
+    gpipe = capsys.readouterr().out
+    main(flags)
+    one_f_one_b = capsys.readouterr().out
+    assert (
+        "pipeline: 2 stages on 2 ranks (GPipe, 2 micro-batches of 2 x 64 tokens), each stage FSDP over 2 ranks" in gpipe
+    )
+    assert "stage 0 (pipeline rank 0): embed_tokens + blocks 0-1," in one_f_one_b
+    assert "stage 1 (pipeline rank 1): blocks 2-3 + norm + lm_head," in one_f_one_b
+    assert "activations 2 micro-batches in flight" in gpipe.split("stage 1")[1]
+    assert "activations 1 micro-batches in flight" in one_f_one_b.split("stage 1")[1]
+    assert "stage" in one_f_one_b.split("\n\n")[1].split("\n")[0], "the dtype report's stage column"

@@ -43,9 +43,11 @@ from lightning_mixedfsdp.planning.report import (
     format_count,
     format_plan,
 )
+from lightning_mixedfsdp.planning.stages import plan_stages, stage_of_params
 from lightning_mixedfsdp.planning.types import ShardPlan
 from lightning_mixedfsdp.recipes.models.hf import build_hf_model
 from lightning_mixedfsdp.recipes.run.loader import in_recipe_keys, load_recipe
+from lightning_mixedfsdp.recipes.run.stage_plans import stage_lines
 from lightning_mixedfsdp.recipes.settings.inputs import load_hf_config
 from lightning_mixedfsdp.recipes.settings.schema import recipe_storage
 
@@ -216,6 +218,13 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--context-parallel", type=int, default=None, help="ranks each sequence is split over (overrides the recipe's)"
     )
+    parser.add_argument(
+        "--pipeline", type=int, default=None, help="pipeline_parallel_size (overrides the recipe's); default 1"
+    )
+    parser.add_argument(
+        "--pipeline-schedule", choices=["1F1B", "GPipe", "Interleaved1F1B"], default=None, help="default 1F1B"
+    )
+    parser.add_argument("--microbatches", type=int, default=None, help="pipeline_microbatches; default pp x v")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, for the activation estimate")
     parser.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank")
     return parser.parse_args(argv)
@@ -248,10 +257,18 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config.dtypes = replace(config.dtypes, bf16_updates=args.bf16_updates)
     if args.context_parallel is not None:
         config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
+    pipeline = {
+        "pipeline_parallel_size": args.pipeline,
+        "pipeline_schedule": args.pipeline_schedule,
+        "pipeline_microbatches": args.microbatches,
+    }
+    config.parallelism = replace(config.parallelism, **{k: v for k, v in pipeline.items() if v is not None})
     experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
     flags = {
         "parallelism.expert_parallel_size": f"--expert-parallel {experts}",
         "parallelism.context_parallel_size": f"--context-parallel {context}",
+        "parallelism.pipeline_": "--pipeline",
+        "pipeline_": "--pipeline",
     }
     problems = [f"{flag}: {p}" for p in config.problems() for key, flag in flags.items() if p.startswith(key)]
     if hf_source is None:
@@ -309,17 +326,30 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     refused = context_parallel_problems(model, context)  # what the model setup refuses at setup
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
-    plan, estimate = dry_run(model, config, precision, args.world_size, replicate)
+    stages = config.parallelism.pipeline_parallel_size
+    if stages > 1:
+        stage_plans = stage_lines(
+            lambda: build_on_meta(hf_config, args.freeze, args.lora_rank, args.lora_targets),
+            config, precision, args.world_size, replicate, hf_config, args.seq_len, args.batch,
+        )  # fmt: skip
+    plan, estimate = dry_run(model, config, precision, args.world_size // stages, replicate)
     refused = conditional_problems(plan, context, fault_tolerant=config.fault_tolerance is not None)
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     seconds = time.perf_counter() - start
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
-    print(format_plan(plan))
-    print()
-    print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory, config.parallelism))
+    if stages > 1:
+        parallelism = config.parallelism
+        planned, _ = plan_stages(model, stages * parallelism.stages_per_rank, parallelism.pipeline_split)
+        print(format_plan(plan, stages=stage_of_params(model, planned or [])))
+    else:
+        print(format_plan(plan))
+        print()
+        print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory, config.parallelism))
     lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory)
+    if stages > 1:
+        lines = stage_plans
     if lines:
         print("\n".join(lines))
     sys.stdout.flush()

@@ -19,13 +19,14 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 import lightning_mixedfsdp  # noqa: F401  registers "mixed_fsdp2"
 from lightning_mixedfsdp.apply.muon import split_for_muon, split_lines
@@ -34,6 +35,7 @@ from lightning_mixedfsdp.config import DTYPES, MixedFSDPConfig
 from lightning_mixedfsdp.planning.memory import estimate_memory
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_plan
+from lightning_mixedfsdp.planning.stages import plan_stages, stage_of_params
 from lightning_mixedfsdp.recipes.data.chat import BYTE_CHAT_TEMPLATE
 from lightning_mixedfsdp.recipes.data.chat_corpus import ChatCorpus
 from lightning_mixedfsdp.recipes.data.sft import template_text
@@ -49,9 +51,11 @@ from lightning_mixedfsdp.recipes.run.hf_export import write_byte_tokenizer, writ
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.run.plot import plot_metrics, read_metrics
 from lightning_mixedfsdp.recipes.run.run_folder import RunFolder, RunFolderError, resume_from
+from lightning_mixedfsdp.recipes.run.stage_plans import stage_lines
 from lightning_mixedfsdp.recipes.run.stopping import StopRequest
 from lightning_mixedfsdp.recipes.settings.inputs import (
     checkpoint_fp32_patterns,
+    load_hf_config,
     reference_model_config,
 )
 from lightning_mixedfsdp.recipes.settings.schema import Recipe, RecipeError, recipe_storage
@@ -248,13 +252,41 @@ def dry_run(recipe: Recipe) -> None:
         if len(models) > 1:
             print(f"== {name}")
         optimizers = {n: "Muon" if n in muon_names else "AdamW" for n, _ in rest + muon} if muon else None
-        print(format_plan(plan, optimizers=optimizers))
+        print(
+            format_plan(plan, optimizers=optimizers, stages=recipe_stages(model, config) if name == "model" else None)
+        )
         print()
         if muon:
             print(split_lines(muon, rest))
             print()
-        print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
+        if config.parallelism.pipeline_parallel_size > 1:
+            print("\n".join(recipe_stage_lines(recipe, config)))
+        else:
+            print(format_summary(plan, estimate, world, replicate, None, config.parallelism))
     print(storage_line(recipe))
+
+
+def recipe_stages(model: nn.Module, config: MixedFSDPConfig) -> Optional[Dict[str, int]]:
+    """Each param's pipeline stage (None without pipeline parallelism, or for a model that cannot be split)."""
+    parallelism = config.parallelism
+    if parallelism.pipeline_parallel_size == 1:
+        return None
+    num_stages = parallelism.pipeline_parallel_size * parallelism.stages_per_rank
+    stages, _ = plan_stages(model, num_stages, parallelism.pipeline_split)
+    return stage_of_params(model, stages) if stages is not None else None
+
+
+def recipe_stage_lines(recipe: Recipe, config: MixedFSDPConfig) -> List[str]:
+    """The recipe model's pipeline stages, as the strategy cuts and plans them (``stage_plans.py``)."""
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            return build_model(recipe.model, recipe.peft)
+
+    hf = None if reference_model_config(recipe.model) else load_hf_config(recipe.model.hf_source())
+    replicate = recipe.strategy.parallelism.data_parallel_replicate_size
+    batch = recipe.data.batch_size
+    return stage_lines(build, config, recipe.trainer.precision, recipe.world_size, replicate, hf, None, batch)
 
 
 def run_folder(recipe: Recipe) -> RunFolder:
