@@ -129,7 +129,11 @@ def _measure(rank: int, world: int, args: Dict[str, Any]) -> Dict[str, Any]:
                         peaks.append(timer.peak)
             for p in model.parameters():
                 p.grad = None
-            out[(schedule, micro)] = {"step": statistics.median(steps), "busy": statistics.median(busy), "peak": max(peaks)}
+            out[(schedule, micro)] = {
+                "step": statistics.median(steps),
+                "busy": statistics.median(busy),
+                "peak": max(peaks),
+            }
     fsdp = Fabric(accelerator="cpu", devices=world, strategy=MixedFSDP2Strategy(), precision="32-true")
     fsdp.launch()
     model = fsdp.setup(_model(args["hidden"], args["layers"]))
@@ -200,7 +204,9 @@ def main(argv: Any = None) -> Dict[str, Any]:
     parser.add_argument("--layers", type=int, default=8)
     args = vars(parser.parse_args(argv))
     results = run_distributed(_measure, 2, args, timeout=3600)
-    print(f"Llama hidden {args['hidden']}, {args['layers']} layers, batch {args['batch']} x {args['seq']} tokens, 32-true")
+    print(
+        f"Llama hidden {args['hidden']}, {args['layers']} layers, batch {args['batch']} x {args['seq']} tokens, 32-true"
+    )
     print("\n2 ranks, measured (median of steps; bubble = 1 - busy / step, mean of the ranks):")
     print(f"{'schedule':<16}{'m':>4}{'step s':>9}{'bubble':>9}{'formula':>9}{'saved MiB (stage 0)':>22}")
     table: Dict[str, Any] = {}
@@ -212,8 +218,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
             expected = formula(schedule, 2, micro, per_rank)
             table[f"{schedule} m={micro}"] = {"step": step, "bubble": bubble, "formula": expected}
             print(
-                f"{schedule:<16}{micro:>4}{step:>9.3f}{bubble:>9.1%}{expected:>9.1%}"
-                f"{ranks[0]['peak'] / 2**20:>22.1f}"
+                f"{schedule:<16}{micro:>4}{step:>9.3f}{bubble:>9.1%}{expected:>9.1%}{ranks[0]['peak'] / 2**20:>22.1f}"
             )
     fsdp = max(r["fsdp"] for r in results)
     best = min(table.values(), key=lambda row: row["step"])

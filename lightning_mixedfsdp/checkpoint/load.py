@@ -19,6 +19,7 @@ from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.distributed.agreement import on_rank_zero
 from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model, user_class
+from lightning_mixedfsdp.model.pipeline_stages import pipeline_stage_group
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
 from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.memory import STAGING_BYTES
@@ -132,6 +133,13 @@ def load_full_weights(
     if read not in ("own_parts", "rank_zero"):
         raise ValueError(f"load_full_weights: read={read!r} is not supported; use 'own_parts' or 'rank_zero'.")
     model = unwrap_model(model)
+    stage_group = pipeline_stage_group(model)  # a pipeline stage matches the checkpoint's names against its own
+    if stage_group is not None and (read != "own_parts" or _safetensors_folder(Path(path)) is None):
+        raise ValueError(
+            f"load_full_weights: {str(path)!r} into pipeline stages: each stage reads its own tensors of an HF"
+            " safetensors folder (read='own_parts'); save the checkpoint as one (e.g. with export_safetensors, or"
+            " save_pretrained), or load it before pipeline parallelism splits the model."
+        )
     targets = tensor_targets(model)
     from_checkpoint = _checkpoint_names(model)
     expected = {
@@ -143,6 +151,8 @@ def load_full_weights(
     base = hf_base_model(model)
 
     def _match(reader: "CheckpointReader", renamed: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
+        if stage_group is not None:  # other stages' tensors are theirs to read
+            renamed = {key: name for key, name in renamed.items() if name in from_checkpoint or name in expected}
         return _matched_keys(reader, renamed, expected, from_checkpoint, strict)
 
     def survey() -> Dict[str, str]:
@@ -158,7 +168,7 @@ def load_full_weights(
         # model name -> the checkpoint key it loads from, in the model's order
         return {name: sources[name] for name in dict.fromkeys(from_checkpoint.values()) if name in sources}
 
-    present = on_rank_zero("load_full_weights", survey)
+    present = on_rank_zero("load_full_weights", survey, group=stage_group)
     folder = _safetensors_folder(Path(path)) if read == "own_parts" else None
     if folder is not None:
         _read_own_parts(folder, {key: targets[name] for name, key in present.items()})
@@ -353,7 +363,7 @@ def _matched_keys(
 ) -> Tuple[Dict[str, str], List[str]]:
     """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches."""
     # a tied alias loads its param only when the checkpoint lacks the param's own key
-    in_order = sorted(reader.keys(), key=lambda k: renamed[k] in expected)
+    in_order = sorted((k for k in reader.keys() if k in renamed), key=lambda k: renamed[k] in expected)
     sources = {from_checkpoint.get(renamed[key], renamed[key]): key for key in in_order}
     found = {_own_key(name): (reader.shape(key), reader.dtype(key)) for name, key in sources.items()}
     return sources, _mismatches(expected, found, strict)

@@ -12,6 +12,7 @@ from lightning_mixedfsdp.checkpoint.export import PipelineStages
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
+from lightning_mixedfsdp.model.pipeline_stages import mark_pipeline_stage
 from lightning_mixedfsdp.model_setup import ShardedModel
 from lightning_mixedfsdp.pipelining.runner import LossFn, LossReduction, PipelineRunner
 from lightning_mixedfsdp.pipelining.stage_forward import cut_to_stages, output_wrapper
@@ -75,6 +76,7 @@ class PipelineMixin:
                 output_wrapper(layout),
             )
             self._pipelines[sharded.module] = runner
+            mark_pipeline_stage(sharded.module, self.meshes.data_parallel.get_group())
             guard = _direct_call_guard(runner, type(self).__name__, [stage.index for stage in mine], num_stages)
             sharded.applied.handles.append(sharded.module.register_forward_pre_hook(guard, prepend=True))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_mixedfsdp import load_full_weights
 from tests.conftest import Launch
 from tests.hf_models import tiny_model
 from tests.scenarios import A_LOG, full_params, make_fabric, unwrap
@@ -64,8 +65,9 @@ def _train(fabric: Any, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
 
 def _schedules(rank: int) -> Dict[str, Any]:
     out = {}
-    for schedule in SCHEDULES:
-        fabric = make_fabric(WORLD, "32-true", pipelined(schedule))
+    for schedule in [*SCHEDULES, "checkpointed"]:
+        options = {"activation_checkpointing": "full"} if schedule == "checkpointed" else {}
+        fabric = make_fabric(WORLD, "32-true", pipelined(schedule if schedule in SCHEDULES else "1F1B", **options))
         model = llama()
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
         out[schedule] = {**_train(fabric, model, optimizer), "params": full_params(model)}
@@ -86,6 +88,9 @@ def _bf16_stages(rank: int, folder: str) -> Dict[str, Any]:
     fabric.strategy.export_safetensors(model, Path(folder) / "export")
     out["llama_params"] = full_params(model)
     runner = fabric.strategy._runner_of(model, "test")
+    fresh = make_fabric(WORLD, "bf16-true", pipelined()).setup(llama(seed=3))
+    load_full_weights(fresh, Path(folder) / "export")
+    out["loaded_params"] = full_params(fresh)
     out["boundaries"] = {
         stage: (b.received.dtype, b.emitted.dtype) for _, bs in runner._schedules.values() for stage, b in bs.items()
     }
@@ -219,7 +224,7 @@ def merged(results: List[Dict[str, Any]], *keys: str) -> Dict[str, torch.Tensor]
     return params
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "checkpointed"])
 def test_each_schedule_trains_as_one_process_does(results: list, reference: Dict[str, Any], schedule: str) -> None:
     for result in results:
         got = result["schedules"][schedule]
@@ -274,6 +279,13 @@ def test_the_export_from_pipeline_ranks_is_one_folder_from_pretrained_loads(resu
     loaded = AutoModelForCausalLM.from_pretrained(folder / "export", dtype=torch.float32)
     for name, param in loaded.named_parameters():
         assert torch.equal(param.detach(), trained[name].float()), name
+
+
+def test_a_full_checkpoint_loads_into_pipeline_stages(results: list) -> None:
+    trained, loaded = merged(results, "bf16", "llama_params"), merged(results, "bf16", "loaded_params")
+    assert set(loaded) == set(trained)
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name
 
 
 def test_a_checkpoint_moves_between_pipeline_sizes(results: list) -> None:
