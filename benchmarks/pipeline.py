@@ -150,6 +150,35 @@ def _measure(rank: int, world: int, args: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def _resharding(rank: int, world: int, args: Dict[str, Any]) -> Dict[str, Any]:
+    """PP 2 x FSDP 2: all-gathers and their bytes per step, and the step, with and without resharding after each
+    micro-batch's forward."""
+    from lightning.fabric import Fabric
+
+    from lightning_mixedfsdp.diagnostics.collectives import count_collectives
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    torch.set_num_threads(1)
+    batch = torch.randint(0, 512, (args["batch"] // 2, args["seq"]), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for reshard in (True, False):
+        strategy = MixedFSDP2Strategy(pipeline_parallel_size=2, pipeline_microbatches=4, reshard_after_forward=reshard)
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+        fabric.launch()
+        model = fabric.setup(_model(args["hidden"], args["layers"]))
+        fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=_loss)  # builds the schedule
+        with count_collectives() as counts:
+            started = time.perf_counter()
+            fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=_loss)
+            seconds = time.perf_counter() - started
+        out[reshard] = {
+            "all_gathers": counts.by_kind().get("all_gather", 0),
+            "bytes": counts.bytes_by_kind().get("all_gather", 0),
+            "step": seconds,
+        }
+    return out
+
+
 def simulated_bubble(schedule: str, p: int, m: int, forward: float, backward: float) -> float:
     """The bubble of one stage per rank on ``p`` ranks: the actions in the schedule's order, each starting once its
     rank is free and its input is there; ``1 - busy / makespan`` (communication taken as free)."""
@@ -230,7 +259,15 @@ def main(argv: Any = None) -> Dict[str, Any]:
         for micro in args["microbatches"]:
             computed = simulated_bubble(schedule, 4, micro, one, 2 * one)
             print(f"{schedule:<16}{micro:>4}   bubble {computed:6.1%}   formula {formula(schedule, 4, micro, 1):6.1%}")
-    return {"table": table, "fsdp": fsdp}
+    resharding = run_distributed(_resharding, 4, args, timeout=3600)
+    print("\nPP 2 x FSDP 2 on 4 ranks, 1F1B, m = 4, per step on stage 0's rank 0:")
+    for reshard in (True, False):
+        row = resharding[0][reshard]
+        print(
+            f"  reshard_after_forward={reshard!s:<5}: {row['all_gathers']} all-gathers,"
+            f" {row['bytes'] / 2**20:.1f} MiB gathered, step {row['step']:.3f} s (4 ranks on 2 cores)"
+        )
+    return {"table": table, "fsdp": fsdp, "resharding": resharding[0]}
 
 
 if __name__ == "__main__":

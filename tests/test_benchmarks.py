@@ -388,3 +388,16 @@ def test_rl_benchmark_splits_a_step_for_both_generation_modes_and_measures_both_
     assert set(results["mismatch"]) == {"bf16", "fp32"}
     out = capsys.readouterr().out
     assert "| gathered |" in out and "| sharded |" in out and "log-prob mismatch" in out
+
+
+def test_pipeline_benchmark_measures_each_schedule_and_counts_resharding(capsys) -> None:
+    from benchmarks import pipeline
+
+    flags = ["--steps", "1", "--microbatches", "4", "--batch", "8", "--seq", "16", "--hidden", "64", "--layers", "4"]
+    results = pipeline.main(flags)
+    assert set(results["table"]) == {"GPipe m=4", "1F1B m=4", "Interleaved1F1B m=4"}
+    assert all(0 <= row["bubble"] < 1 for row in results["table"].values())
+    resharding = results["resharding"]
+    assert resharding[True]["all_gathers"] > resharding[False]["all_gathers"] > 0
+    assert pipeline.simulated_bubble("GPipe", 4, 4, 1.0, 2.0) == pytest.approx(pipeline.formula("GPipe", 4, 4, 1))
+    assert "FSDP alone on the same 2 ranks" in capsys.readouterr().out
