@@ -182,5 +182,5 @@ def test_the_planner_prints_each_stage_with_its_memory(tmp_path: Any, capsys: An
     assert "stage 0 (pipeline rank 0): embed_tokens + blocks 0-1," in one_f_one_b
     assert "stage 1 (pipeline rank 1): blocks 2-3 + norm + lm_head," in one_f_one_b
     assert "activations 2 micro-batches in flight" in gpipe.split("stage 1")[1]
-    assert "activations 1 micro-batches in flight" in one_f_one_b.split("stage 1")[1]
+    assert "activations 1 micro-batch in flight" in one_f_one_b.split("stage 1")[1]
     assert "stage" in one_f_one_b.split("\n\n")[1].split("\n")[0], "the dtype report's stage column"

@@ -61,6 +61,7 @@ def stage_lines(
         if shape is not None and seq_len:
             held = in_flight_microbatches(schedule, stage.index, num_stages, micro, per_rank)
             each = stage_activation_bytes(shape, len(stage.blocks), bool(stage.last), seq_len, micro_batch)
-            line += f"; activations {held} micro-batches in flight x {format_bytes(each)} = {format_bytes(held * each)}"
+            batches = "micro-batch" if held == 1 else "micro-batches"
+            line += f"; activations {held} {batches} in flight x {format_bytes(each)} = {format_bytes(held * each)}"
         lines.append(line)
     return lines
