@@ -130,16 +130,8 @@ def load_full_weights(
     widens to fp32 exactly; an fp32 tensor kept fp32 stays exact). Tied copies in the checkpoint are accepted and
     skipped. A PEFT model loads its base model's checkpoint; its adapters keep their values.
     """
-    if read not in ("own_parts", "rank_zero"):
-        raise ValueError(f"load_full_weights: read={read!r} is not supported; use 'own_parts' or 'rank_zero'.")
     model = unwrap_model(model)
-    stage_group = pipeline_stage_group(model)  # a pipeline stage matches the checkpoint's names against its own
-    if stage_group is not None and (read != "own_parts" or _safetensors_folder(Path(path)) is None):
-        raise ValueError(
-            f"load_full_weights: {str(path)!r} into pipeline stages: each stage reads its own tensors of an HF"
-            " safetensors folder (read='own_parts'); save the checkpoint as one (e.g. with export_safetensors, or"
-            " save_pretrained), or load it before pipeline parallelism splits the model."
-        )
+    stage_group = _stage_group(model, path, read)  # a pipeline stage matches the checkpoint against its own names
     targets = tensor_targets(model)
     from_checkpoint = _checkpoint_names(model)
     expected = {
@@ -151,9 +143,7 @@ def load_full_weights(
     base = hf_base_model(model)
 
     def _match(reader: "CheckpointReader", renamed: Dict[str, str]) -> Tuple[Dict[str, str], List[str]]:
-        if stage_group is not None:  # other stages' tensors are theirs to read
-            renamed = {key: name for key, name in renamed.items() if name in from_checkpoint or name in expected}
-        return _matched_keys(reader, renamed, expected, from_checkpoint, strict)
+        return _matched_keys(reader, renamed, expected, from_checkpoint, strict, stage_group is not None)
 
     def survey() -> Dict[str, str]:
         """Rank 0: the checkpoint's names, shapes and dtypes against the model's; model name -> checkpoint key."""
@@ -178,6 +168,21 @@ def load_full_weights(
     if readers:
         produce = produce_each(chunks, lambda chunk: _LazyChunk(readers[0], present, chunk))
     stream_into(model, chunks, produce)
+
+
+def _stage_group(model: nn.Module, path: PathLike, read: ReadMode) -> Optional[Any]:
+    """The data-parallel group of ``model``'s pipeline stage (None: no stage), once ``read`` is known to be a mode;
+    a stage reads its own tensors of an HF safetensors folder, and any other checkpoint is refused."""
+    if read not in ("own_parts", "rank_zero"):
+        raise ValueError(f"load_full_weights: read={read!r} is not supported; use 'own_parts' or 'rank_zero'.")
+    group = pipeline_stage_group(model)
+    if group is not None and (read != "own_parts" or _safetensors_folder(Path(path)) is None):
+        raise ValueError(
+            f"load_full_weights: {str(path)!r} into pipeline stages: each stage reads its own tensors of an HF"
+            " safetensors folder (read='own_parts'); save the checkpoint as one (e.g. with export_safetensors, or"
+            " save_pretrained), or load it before pipeline parallelism splits the model."
+        )
+    return group
 
 
 def _read_own_parts(folder: Path, targets: Dict[str, Tensor], staging_bytes: int = STAGING_BYTES) -> None:
@@ -360,8 +365,12 @@ def _matched_keys(
     expected: Dict[str, TensorFacts],
     from_checkpoint: Dict[str, str],
     strict: bool,
+    held_only: bool = False,
 ) -> Tuple[Dict[str, str], List[str]]:
-    """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches."""
+    """Model name -> checkpoint key, with the checkpoint's keys read as ``renamed`` says; and the mismatches.
+    ``held_only``: the checkpoint's keys the model does not hold are left out (another pipeline stage's)."""
+    if held_only:
+        renamed = {key: name for key, name in renamed.items() if name in from_checkpoint or name in expected}
     # a tied alias loads its param only when the checkpoint lacks the param's own key
     in_order = sorted((k for k in reader.keys() if k in renamed), key=lambda k: renamed[k] in expected)
     sources = {from_checkpoint.get(renamed[key], renamed[key]): key for key in in_order}

@@ -457,55 +457,10 @@ class Parallelism(OptionGroup):
         return self.pipeline_parallel_size * self.stages_per_rank
 
     def semantic_problems(self) -> List[str]:
-        problems = self._pipeline_problems()
+        problems = pipeline_problems(self)
         if isinstance(self.outer_momentum, float) and self.outer_momentum >= 1:
             problems.append(f"outer_momentum={self.outer_momentum!r} must be below 1 (DiLoCo's is 0.9).")
         return problems + self._expert_plan_problems()
-
-    def _pipeline_problems(self) -> List[str]:
-        """The pipeline options that do not fit each other or the other degrees, each with its fix."""
-        size, schedule = self.pipeline_parallel_size, self.pipeline_schedule
-        if not isinstance(size, int) or size == 1 or schedule not in get_args(PipelineSchedule):
-            return []
-        problems = []
-        stages = self.stages_per_rank if isinstance(self.pipeline_stages_per_rank, (int, type(None))) else 1
-        if schedule in MULTI_STAGE_SCHEDULES and stages < 2:
-            problems.append(
-                f"pipeline_schedule={schedule!r} runs several stages per rank and pipeline_stages_per_rank={stages};"
-                " set pipeline_stages_per_rank=2 (or more), or use pipeline_schedule='1F1B'."
-            )
-        if schedule not in MULTI_STAGE_SCHEDULES and stages > 1:
-            problems.append(
-                f"pipeline_schedule={schedule!r} runs one stage per rank and pipeline_stages_per_rank={stages}; use"
-                " pipeline_schedule='Interleaved1F1B' for several, or pipeline_stages_per_rank=1."
-            )
-        micro = self.pipeline_microbatches
-        if isinstance(micro, int) and schedule != "GPipe" and micro < size:
-            problems.append(
-                f"pipeline_microbatches={micro} is fewer than {schedule} needs (at least pipeline_parallel_size="
-                f"{size}: every stage must have a micro-batch in flight); raise it to {size} or more."
-            )
-        rounds = max(1, micro // size) if isinstance(micro, int) else 1
-        if isinstance(micro, int) and schedule in MULTI_STAGE_SCHEDULES and micro % rounds:
-            fit = rounds * size
-            problems.append(
-                f"pipeline_microbatches={micro} does not split into {schedule}'s {rounds} rounds of"
-                f" pipeline_parallel_size={size} micro-batches each; use a multiple of {size}, e.g. {fit}."
-            )
-        others = {
-            "tensor_parallel_size": self.tensor_parallel_size != 1,
-            "context_parallel_size": self.context_parallel_size != 1,
-            "expert_parallel_size": self.expert_parallel_size != 1,
-            "replicate_sync": self.replicate_sync != "every_step",
-        }
-        for name, set_ in others.items():
-            if set_:
-                problems.append(
-                    f"pipeline_parallel_size={size} with {name}={getattr(self, name)!r} is not supported yet: pipeline"
-                    " stages compose with FSDP and HSDP (data_parallel_size, data_parallel_replicate_size) here;"
-                    f" leave {name} at its default or set pipeline_parallel_size=1."
-                )
-        return problems
 
     def _expert_plan_problems(self) -> List[str]:
         styles = (EXPERTS_STYLE, SPLIT_STYLE)
@@ -517,6 +472,52 @@ class Parallelism(OptionGroup):
             for name, style in plan.items()
             if style not in styles
         ]
+
+
+def pipeline_problems(parallelism: "Parallelism") -> List[str]:
+    """The pipeline options that do not fit each other or the other degrees, each with its fix."""
+    size, schedule = parallelism.pipeline_parallel_size, parallelism.pipeline_schedule
+    if not isinstance(size, int) or size == 1 or schedule not in get_args(PipelineSchedule):
+        return []
+    problems = []
+    stages = parallelism.stages_per_rank if isinstance(parallelism.pipeline_stages_per_rank, (int, type(None))) else 1
+    if schedule in MULTI_STAGE_SCHEDULES and stages < 2:
+        problems.append(
+            f"pipeline_schedule={schedule!r} runs several stages per rank and pipeline_stages_per_rank={stages};"
+            " set pipeline_stages_per_rank=2 (or more), or use pipeline_schedule='1F1B'."
+        )
+    if schedule not in MULTI_STAGE_SCHEDULES and stages > 1:
+        problems.append(
+            f"pipeline_schedule={schedule!r} runs one stage per rank and pipeline_stages_per_rank={stages}; use"
+            " pipeline_schedule='Interleaved1F1B' for several, or pipeline_stages_per_rank=1."
+        )
+    micro = parallelism.pipeline_microbatches
+    if isinstance(micro, int) and schedule != "GPipe" and micro < size:
+        problems.append(
+            f"pipeline_microbatches={micro} is fewer than {schedule} needs (at least pipeline_parallel_size="
+            f"{size}: every stage must have a micro-batch in flight); raise it to {size} or more."
+        )
+    rounds = max(1, micro // size) if isinstance(micro, int) else 1
+    if isinstance(micro, int) and schedule in MULTI_STAGE_SCHEDULES and micro % rounds:
+        fit = rounds * size
+        problems.append(
+            f"pipeline_microbatches={micro} does not split into {schedule}'s {rounds} rounds of"
+            f" pipeline_parallel_size={size} micro-batches each; use a multiple of {size}, e.g. {fit}."
+        )
+    others = {
+        "tensor_parallel_size": parallelism.tensor_parallel_size != 1,
+        "context_parallel_size": parallelism.context_parallel_size != 1,
+        "expert_parallel_size": parallelism.expert_parallel_size != 1,
+        "replicate_sync": parallelism.replicate_sync != "every_step",
+    }
+    for name, set_ in others.items():
+        if set_:
+            problems.append(
+                f"pipeline_parallel_size={size} with {name}={getattr(parallelism, name)!r} is not supported yet:"
+                " pipeline stages compose with FSDP and HSDP (data_parallel_size, data_parallel_replicate_size) here;"
+                f" leave {name} at its default or set pipeline_parallel_size=1."
+            )
+    return problems
 
 
 @dataclass

@@ -98,7 +98,7 @@ class PipelineRunner:
     def step(self, inputs: Any, target: Any, loss_fn: LossFn, reduction: LossReduction = "mean") -> Tensor:
         """Forward and backward of every micro-batch of ``inputs``; grads reduced once; the step's loss on every
         rank (the mean of the micro-batches' losses, or their sum for ``reduction="sum"``)."""
-        args, kwargs = self._split_inputs(inputs)
+        args, kwargs = split_inputs(inputs, self.microbatches, self.pipeline_size)
         schedule, _ = self._schedule(args, kwargs)
         self._loss_fn, self._loss_divisor = loss_fn, float(self.microbatches if reduction == "mean" else 1)
         root = self.root
@@ -133,7 +133,7 @@ class PipelineRunner:
     def evaluate(self, inputs: Any, target: Any, loss_fn: LossFn, reduction: LossReduction = "mean") -> Tensor:
         """Forward of every micro-batch, stage after stage, no grad; the loss on every rank. The model is in eval
         mode meanwhile and back in its mode after."""
-        args, kwargs = self._split_inputs(inputs)
+        args, kwargs = split_inputs(inputs, self.microbatches, self.pipeline_size)
         _, boundaries = self._schedule(args, kwargs)
         training = self.root.training
         self.root.eval()
@@ -230,37 +230,14 @@ class PipelineRunner:
         return dist.get_global_rank(self.group, stage % self.pipeline_size)
 
     def _send(self, tensor: Tensor, to_stage: int, header: bool) -> None:
-        import torch.distributed as dist
-
-        peer = self._peer(to_stage)
-        if header:
-            dist.send(_header(tensor, self.device), peer, group=self.group)
-        dist.send(tensor.contiguous(), peer, group=self.group)
+        send(tensor, self._peer(to_stage), self.group, self.device, header)
 
     def _receive(self, stage: int, known: Optional[Dict[int, Boundary]]) -> Tensor:
-        import torch.distributed as dist
-
-        peer = self._peer(stage - 1)
-        if known is None:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(header, peer, group=self.group)
-            values = header.tolist()
-            shape, dtype = tuple(values[2 : 2 + values[1]]), _DTYPES[values[0]]
-        else:
-            shape, dtype = tuple(known[stage].received.shape), known[stage].received.dtype
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buffer, peer, group=self.group)
-        return buffer
+        like = None if known is None else known[stage].received
+        return receive(self._peer(stage - 1), self.group, self.device, like)
 
     def _from_last_stage(self, value: Optional[Tensor]) -> Tensor:
-        """``value`` (held by the last stage's rank) on every pipeline rank."""
-        import torch.distributed as dist
-
-        if value is None:
-            value = torch.zeros((), dtype=torch.float32, device=self.device)
-        value = value.to(self.device, torch.float32).reshape(())
-        dist.broadcast(value, src=self._peer(self.num_stages - 1), group=self.group)
-        return value
+        return from_stage(value, self._peer(self.num_stages - 1), self.group, self.device)
 
     @contextmanager
     def _running(self) -> Iterator[None]:
@@ -270,33 +247,69 @@ class PipelineRunner:
         finally:
             self.running = False
 
-    # ---- inputs ------------------------------------------------------------------------------------------------
 
-    def _split_inputs(self, inputs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """``inputs`` as the first stage's positional input and the keyword inputs every stage gets (a dict's first
-        entry, or ``input_ids``, is the first stage's); size-1 leading dims broadcast to the batch."""
-        if isinstance(inputs, dict):
-            kwargs = dict(inputs)
-            key = "input_ids" if "input_ids" in kwargs else next(iter(kwargs))
-            first = kwargs.pop(key)
-        else:
-            first, kwargs = inputs, {}
-        if not isinstance(first, Tensor) or first.dim() == 0:
-            raise TypeError(
-                f"mixed_fsdp2: pipeline_step takes a batch tensor (or a dict of them) as `inputs`, got"
-                f" {type(first).__name__}; pass the token ids (batch first), or a dict with `input_ids`."
-            )
-        batch = first.shape[0]
-        if batch % self.microbatches:
-            raise ValueError(
-                f"mixed_fsdp2: a batch of {batch} does not split into pipeline_microbatches={self.microbatches}; use"
-                f" a batch size that divides by {self.microbatches}, or set pipeline_microbatches to a divisor of"
-                f" {batch} (at least pipeline_parallel_size={self.pipeline_size} for 1F1B and Interleaved1F1B)."
-            )
-        for name, value in kwargs.items():
-            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == 1 and batch > 1:
-                kwargs[name] = value.expand(batch, *value.shape[1:])
-        return (first,), kwargs
+def split_inputs(inputs: Any, microbatches: int, pipeline_size: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``inputs`` as the first stage's positional input and the keyword inputs every stage gets (a dict's first
+    entry, or ``input_ids``, is the first stage's); size-1 leading dims broadcast to the batch."""
+    if isinstance(inputs, dict):
+        kwargs = dict(inputs)
+        key = "input_ids" if "input_ids" in kwargs else next(iter(kwargs))
+        first = kwargs.pop(key)
+    else:
+        first, kwargs = inputs, {}
+    if not isinstance(first, Tensor) or first.dim() == 0:
+        raise TypeError(
+            f"mixed_fsdp2: pipeline_step takes a batch tensor (or a dict of them) as `inputs`, got"
+            f" {type(first).__name__}; pass the token ids (batch first), or a dict with `input_ids`."
+        )
+    batch = first.shape[0]
+    if batch % microbatches:
+        raise ValueError(
+            f"mixed_fsdp2: a batch of {batch} does not split into pipeline_microbatches={microbatches}; use"
+            f" a batch size that divides by {microbatches}, or set pipeline_microbatches to a divisor of"
+            f" {batch} (at least pipeline_parallel_size={pipeline_size} for 1F1B and Interleaved1F1B)."
+        )
+    for name, value in kwargs.items():
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == 1 and batch > 1:
+            kwargs[name] = value.expand(batch, *value.shape[1:])
+    return (first,), kwargs
+
+
+def from_stage(value: Optional[Tensor], holder: int, group: Any, device: torch.device) -> Tensor:
+    """``value`` (a scalar held by global rank ``holder``; None elsewhere) on every rank of ``group``, in fp32."""
+    import torch.distributed as dist
+
+    if value is None:
+        value = torch.zeros((), dtype=torch.float32, device=device)
+    value = value.to(device, torch.float32).reshape(())
+    dist.broadcast(value, src=holder, group=group)
+    return value
+
+
+def send(tensor: Tensor, peer: int, group: Any, device: torch.device, header: bool) -> None:
+    """``tensor`` to global rank ``peer``, after a header with its shape and dtype when the receiver does not know
+    them yet."""
+    import torch.distributed as dist
+
+    if header:
+        dist.send(_header(tensor, device), peer, group=group)
+    dist.send(tensor.contiguous(), peer, group=group)
+
+
+def receive(peer: int, group: Any, device: torch.device, like: Optional[Tensor]) -> Tensor:
+    """A tensor from global rank ``peer``: shaped as the meta tensor ``like``, or as the header it sends first."""
+    import torch.distributed as dist
+
+    if like is None:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        dist.recv(header, peer, group=group)
+        values = header.tolist()
+        shape, dtype = tuple(values[2 : 2 + values[1]]), _DTYPES[values[0]]
+    else:
+        shape, dtype = tuple(like.shape), like.dtype
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(buffer, peer, group=group)
+    return buffer
 
 
 def _microbatch(

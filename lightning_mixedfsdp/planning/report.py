@@ -65,10 +65,8 @@ def format_plan(
     optimizers: Optional[Mapping[str, str]] = None,
     stages: Optional[Mapping[str, int]] = None,
 ) -> str:
-    """The dtype report: one row per param and buffer, repeated blocks collapsed to ``layers.*``. ``stalled``: the
-    precision monitor's latest share per param (``PrecisionMonitor.shares``), shown per row (the largest of a
-    collapsed row's blocks). ``optimizers``: the optimizer each trainable param gets (``Muon``, ``AdamW``), shown
-    per row. ``stages``: the pipeline stage of each param, a column after the name (blocks collapse per stage)."""
+    """The dtype report: a row per param and buffer, blocks collapsed to ``layers.*``; optional columns: the monitor's
+    ``stalled`` share per param (a collapsed row's largest), the ``optimizers``, the pipeline ``stages``."""
     in_experts = {n for m in (plan.experts.modules if plan.experts else ()) for n in plan.params_in(m)}
     fp32_compute = {n for m in plan.fp32_compute for n in plan.params_in(m)}
     param_rows: List[Tuple[str, ...]] = [
@@ -86,9 +84,7 @@ def format_plan(
     ]
     header: Tuple[str, ...] = PARAM_COLUMNS
     if stages is not None:
-        header = (header[0], "stage", *header[1:])
-        names = [p.name for p in plan.params.values()]
-        param_rows = [(row[0], str(stages.get(n, "-")), *row[1:]) for row, n in zip(param_rows, names, strict=True)]
+        header, param_rows = _with_stages(header, param_rows, [p.name for p in plan.params.values()], stages)
     if stalled is not None:
         header, param_rows = _with_stalled(header, param_rows, stalled)
     if optimizers is not None:
@@ -96,9 +92,8 @@ def format_plan(
     buffer_rows = [
         (collapse_indices(b.name), format_shape(b.shape), short_dtype(b.dtype), b.set_by) for b in plan.buffers.values()
     ]
-    total_bytes = sum(p.nbytes for p in plan.params.values())
+    total_bytes, bulk = sum(p.nbytes for p in plan.params.values()), plan.bulk
     replicated_bytes = sum(plan.params[p].nbytes for p in plan.replicated_params)
-    bulk = plan.bulk
     summary = [
         f"mixed_fsdp2 dtype plan: {len(plan.params)} params ({format_bytes(total_bytes)}),"
         f" {len(plan.sharded_groups)} sharded groups, {len(plan.replicated_groups)} replicated groups"
@@ -124,6 +119,14 @@ def format_plan(
     if plan.warnings:
         lines += [""] + [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _with_stages(
+    header: Tuple[str, ...], rows: List[Tuple[str, ...]], names: List[str], stages: Mapping[str, int]
+) -> Tuple[Tuple[str, ...], List[Tuple[str, ...]]]:
+    """The report's rows with each param's pipeline stage after its name (``names``: the rows' params, in order)."""
+    staged = [(row[0], str(stages.get(name, "-")), *row[1:]) for row, name in zip(rows, names, strict=True)]
+    return (header[0], "stage", *header[1:]), staged
 
 
 def _with_stalled(

@@ -52,11 +52,6 @@ class CheckpointingMixin:
     _same_params_group: Callable[[], Any]
     _export_stages: Callable[[], Optional[PipelineStages]]
 
-    @staticmethod
-    def _keyed_by_name(enabled: bool, action: Callable[[], Any]) -> Any:
-        with optimizer_state_keyed_by_name(enabled):
-            return action()
-
     def _save_checkpoint(
         self,
         path: PathLike,
@@ -76,14 +71,13 @@ class CheckpointingMixin:
         manifest = self._manifest(module)
         if manifest is not None:
             state = {**state, MANIFEST_KEY: manifest}
+        by_name = self._config.parallelism.pipeline_parallel_size > 1  # stages hold different params
         with absent as standing_in:
             to_save = {**state, ABSENT_STATE_KEY: standing_in} if standing_in else state
             single_file = not self._save_distributed_checkpoint
             save_atomically(
                 path,
-                lambda temp: self._keyed_by_name(
-                    self._config.parallelism.pipeline_parallel_size > 1, lambda: write(temp, to_save)
-                ),
+                lambda temp: _keyed_by_name(by_name, lambda: write(temp, to_save)),
                 single_file,
                 self.broadcast,
                 self.barrier,
@@ -106,7 +100,7 @@ class CheckpointingMixin:
         path = recovered(path, self.broadcast, self.barrier, self.global_rank == 0)
         holds_outer = bool(self._sharded.outer_syncs()) and holds_outer_state(path, weights_only)
         with self._loading_optimizers(path, module, optimizers, weights_only, holds_outer):
-            loaded = self._keyed_by_name(optimizer_state_by_name(path), lambda: read(path))
+            loaded = _keyed_by_name(optimizer_state_by_name(path), lambda: read(path))
         restart_outer_syncs_not_loaded(self._sharded, path, bool(optimizers), type(self).__name__, self.global_rank)
         loaded.pop(ABSENT_STATE_KEY, None)
         self._fault_tolerance.restore_state(loaded)
@@ -164,14 +158,9 @@ class CheckpointingMixin:
     def _saving_optimizers(self, module: Optional[nn.Module], optimizers: Dict[str, Optimizer]) -> ContextManager:
         """Around Lightning's save: params whose state only some ranks hold get a stand-in on the others; yields the
         record to save under ``ABSENT_STATE_KEY`` (empty: none)."""
-        return self._making_state(
-            (
-                standing_in_for_state_ranks_lack(module, optimizers, self._same_params_group())
-                if module is not None and optimizers
-                else None
-            ),
-            outer_state=True,
-        )
+        group = self._same_params_group()
+        standing_in = standing_in_for_state_ranks_lack(module, optimizers, group) if module and optimizers else None
+        return self._making_state(standing_in, outer_state=True)
 
     def _loading_optimizers(
         self,
@@ -246,3 +235,9 @@ def restart_outer_syncs_not_loaded(
                 " checkpoint of this run to continue its outer optimizer.",
                 stacklevel=4,
             )
+
+
+def _keyed_by_name(enabled: bool, action: Callable[[], Any]) -> Any:
+    """``action()`` with Lightning's optimizer state keyed by param name when ``enabled`` (pipeline stages)."""
+    with optimizer_state_keyed_by_name(enabled):
+        return action()

@@ -8,7 +8,6 @@ import weakref
 from typing import Any, Callable, List, Optional, Sequence
 from weakref import WeakSet
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -54,8 +53,7 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin, PipelineMixin):
     # provided by Lightning's strategies
     num_nodes: int
     num_processes: int
-    world_size: int
-    root_device: torch.device
+    world_size: int  # root_device: declared by PipelineMixin
 
     def _reset_state(self) -> None:
         """Called by :meth:`IntakeMixin._intake`, before Lightning's ``__init__``."""

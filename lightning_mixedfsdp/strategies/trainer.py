@@ -2,7 +2,7 @@
 
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, List, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -122,30 +122,15 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
             optimizers_to_device(self.optimizers, self.root_device)
 
     def _refuse_unpipelined_loop(self, trainer: "pl.Trainer") -> None:
-        """Under pipeline parallelism a training step must run ``pipeline_step`` itself: Lightning's automatic
-        optimization would call the model (a stage) directly, and its gradient accumulation would reduce per batch
-        what the pipeline accumulates over micro-batches."""
+        """Under pipeline parallelism a training step must run ``pipeline_step`` itself (``unpipelined_loop``)."""
         module = self.lightning_module
-        if not self.pipelined or module is None or trainer.state.fn != TrainerFn.FITTING:
-            return
-        problems = []
-        if module.automatic_optimization:
-            problems.append(
-                f"{type(module).__name__} uses automatic optimization; set `self.automatic_optimization = False` and"
-                " in `training_step` call `loss = self.trainer.strategy.pipeline_step(self.model, inputs, target=...,"
-                " loss_fn=...)`, then `self.clip_gradients(...)` if you clip, `optimizer.step()`,"
-                " `optimizer.zero_grad()` and your scheduler's `step()`"
-            )
-        if trainer.accumulate_grad_batches > 1:
-            problems.append(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported: raise"
-                " pipeline_microbatches instead (a larger batch split into more micro-batches)"
-            )
-        if problems:
-            size = self._config.parallelism.pipeline_parallel_size
-            raise ValueError(
-                f"{type(self).__name__}: under pipeline_parallel_size={size}, " + "; ".join(problems) + "."
-            )
+        if self.pipelined and module is not None and trainer.state.fn == TrainerFn.FITTING:
+            problems = unpipelined_loop(module, trainer.accumulate_grad_batches)
+            if problems:
+                size = self._config.parallelism.pipeline_parallel_size
+                raise ValueError(
+                    f"{type(self).__name__}: under pipeline_parallel_size={size}, " + "; ".join(problems) + "."
+                )
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -234,3 +219,23 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
         assert self.model is not None
         with self._sharded.no_sync(list(self.model.children())):
             yield
+
+
+def unpipelined_loop(module: "pl.LightningModule", accumulate_grad_batches: int) -> List[str]:
+    """Why ``module``'s loop would not run a pipeline, each with the fix: Lightning's automatic optimization would
+    call the model (a stage) directly, and its gradient accumulation would reduce per batch what the pipeline
+    accumulates over micro-batches."""
+    problems = []
+    if module.automatic_optimization:
+        problems.append(
+            f"{type(module).__name__} uses automatic optimization; set `self.automatic_optimization = False` and"
+            " in `training_step` call `loss = self.trainer.strategy.pipeline_step(self.model, inputs, target=...,"
+            " loss_fn=...)`, then `self.clip_gradients(...)` if you clip, `optimizer.step()`,"
+            " `optimizer.zero_grad()` and your scheduler's `step()`"
+        )
+    if accumulate_grad_batches > 1:
+        problems.append(
+            f"accumulate_grad_batches={accumulate_grad_batches} is not supported: raise pipeline_microbatches"
+            " instead (a larger batch split into more micro-batches)"
+        )
+    return problems

@@ -245,23 +245,8 @@ class Objective(pl.LightningModule, ABC):
         return loss
 
     def pipelined_step(self, batch: Any) -> Tensor:
-        """One optimizer step under pipeline parallelism (manual optimization): every micro-batch's forward and
-        backward through the stages, the clip (its norm over every stage), the step and the scheduler's."""
-        optimizer: Any = self.optimizers()  # one optimizer, one scheduler: configure_optimizers'
-        scheduler: Any = self.lr_schedulers()
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        inputs, target, loss_fn, reduction = self.pipeline_batch(batch)
-        strategy: Any = self.trainer.strategy
-        loss = strategy.pipeline_step(self.model, inputs, target=target, loss_fn=loss_fn, loss_reduction=reduction)
-        if self.schedule.gradient_clip:
-            self.clip_gradients(
-                optimizer, gradient_clip_val=self.schedule.gradient_clip, gradient_clip_algorithm="norm"
-            )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        """One optimizer step under pipeline parallelism (manual optimization; :func:`pipelined_step`)."""
+        return pipelined_step(self, batch)
 
     @override
     def validation_step(self, batch: Any, _: int) -> None:
@@ -294,3 +279,22 @@ class Objective(pl.LightningModule, ABC):
     def data_parallel_ranks(self) -> int:
         """The ranks whose gradients FSDP averages (context-parallel ranks share their rows)."""
         return int(self.trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]
+
+
+def pipelined_step(objective: Objective, batch: Any) -> Tensor:
+    """Every micro-batch's forward and backward through the stages, the clip (its norm over every stage), the
+    optimizer's step and the scheduler's: what Lightning's automatic optimization does around a step."""
+    optimizer: Any = objective.optimizers()  # one optimizer, one scheduler: configure_optimizers'
+    scheduler: Any = objective.lr_schedulers()
+    objective.log("lr", objective.trainer.optimizers[0].param_groups[0]["lr"])
+    inputs, target, loss_fn, reduction = objective.pipeline_batch(batch)
+    strategy: Any = objective.trainer.strategy
+    loss = strategy.pipeline_step(objective.model, inputs, target=target, loss_fn=loss_fn, loss_reduction=reduction)
+    clip = objective.schedule.gradient_clip
+    if clip:
+        objective.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    objective.log("train_loss", loss, prog_bar=True)
+    return loss
