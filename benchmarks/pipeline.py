@@ -253,7 +253,7 @@ def main(argv: Any = None) -> Dict[str, Any]:
     best = min(table.values(), key=lambda row: row["step"])
     print(f"\nFSDP alone on the same 2 ranks: {fsdp:.3f} s a step; the fastest pipeline {best['step']:.3f} s")
     one = min(r[("1F1B", args["microbatches"][0])]["busy"] for r in results) / args["microbatches"][0] / 3
-    print("\n4 ranks, computed from each schedule's action order (one block's forward", end="")
+    print("\n4 ranks, computed from each schedule's action order (a stage's forward of a micro-batch", end="")
     print(f" {one:.4f} s, backward {2 * one:.4f} s):")
     for schedule in ("GPipe", "1F1B"):
         for micro in args["microbatches"]:
