@@ -60,8 +60,9 @@ def _stage_forward(
 
 
 def _hf_decoder_stage(model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
-    """A Llama-family decoder's forward for one stage, as its own forward runs with no cache: the embedding (first
-    stage), the rotary embeddings, position ids and causal masks rebuilt from the micro-batch, the stage's layers,
+    """A Llama-family decoder's forward for one stage, as its own forward runs with ``use_cache=False`` (training):
+    the embedding (first stage), the rotary embeddings, position ids and causal masks rebuilt from the micro-batch
+    (position ids that restart mid-row mark packed documents, and attention stays within each), the stage's layers,
     the final norm and the head (last stage)."""
     import torch
 

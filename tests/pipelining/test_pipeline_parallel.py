@@ -51,26 +51,35 @@ def pipelined(schedule: str = "1F1B", **options: Any) -> Any:
     )
 
 
-def _train(fabric: Any, model: nn.Module, optimizer: Any) -> Dict[str, Any]:
+def packed(tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Two documents per row: positions restart halfway (HF's mask then keeps attention within each)."""
+    half = torch.arange(SEQUENCE // 2)
+    return {"input_ids": tokens, "position_ids": torch.cat([half, half]).expand(tokens.shape[0], -1)}
+
+
+def _train(fabric: Any, model: nn.Module, optimizer: Any, as_documents: bool = False) -> Dict[str, Any]:
     losses, norms = [], []
     for batch in batches()[:STEPS]:
-        losses.append(fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item())
+        inputs = packed(batch) if as_documents else batch
+        losses.append(fabric.strategy.pipeline_step(model, inputs, target=batch, loss_fn=lm_loss).item())
         norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e9).item())
         optimizer.step()
         optimizer.zero_grad()
     held_out = batches()[STEPS]
-    evaluated = fabric.strategy.pipeline_eval(model, held_out, target=held_out, loss_fn=lm_loss).item()
+    inputs = packed(held_out) if as_documents else held_out
+    evaluated = fabric.strategy.pipeline_eval(model, inputs, target=held_out, loss_fn=lm_loss).item()
     return {"losses": losses, "norms": norms, "eval": evaluated, "training": unwrap(model).training}
 
 
 def _schedules(rank: int) -> Dict[str, Any]:
     out = {}
-    for schedule in [*SCHEDULES, "checkpointed"]:
+    for schedule in [*SCHEDULES, "checkpointed", "packed"]:
         options = {"activation_checkpointing": "full"} if schedule == "checkpointed" else {}
         fabric = make_fabric(WORLD, "32-true", pipelined(schedule if schedule in SCHEDULES else "1F1B", **options))
         model = llama()
         model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
-        out[schedule] = {**_train(fabric, model, optimizer), "params": full_params(model)}
+        trained = _train(fabric, model, optimizer, as_documents=schedule == "packed")
+        out[schedule] = {**trained, "params": full_params(model)}
     return out
 
 
@@ -193,14 +202,13 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
 LAUNCH = Launch(_scenarios, WORLD, timeout=400)
 
 
-@pytest.fixture(scope="module")
-def reference() -> Dict[str, Any]:
-    """One process, the whole batch, the same steps."""
+def one_process(as_documents: bool) -> Dict[str, Any]:
+    """One process, the whole batch, the same steps (rows of one document, or of two)."""
     model = llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for batch in batches()[:STEPS]:
-        loss = lm_loss(model(batch), batch)
+        loss = lm_loss(model(**packed(batch), use_cache=False) if as_documents else model(batch), batch)
         loss.backward()
         losses.append(loss.item())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
@@ -208,8 +216,14 @@ def reference() -> Dict[str, Any]:
         optimizer.zero_grad()
     held_out = batches()[STEPS]
     with torch.no_grad():
-        evaluated = lm_loss(model(held_out), held_out).item()
+        held = model(**packed(held_out), use_cache=False) if as_documents else model(held_out)
+        evaluated = lm_loss(held, held_out).item()
     return {"losses": losses, "norms": norms, "eval": evaluated, "params": dict(model.named_parameters())}
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    return one_process(as_documents=False)
 
 
 def merged(results: List[Dict[str, Any]], *keys: str) -> Dict[str, torch.Tensor]:
@@ -226,6 +240,17 @@ def merged(results: List[Dict[str, Any]], *keys: str) -> Dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("schedule", [*SCHEDULES, "checkpointed"])
 def test_each_schedule_trains_as_one_process_does(results: list, reference: Dict[str, Any], schedule: str) -> None:
+    assert_equal_to_one_process(results, reference, schedule)
+
+
+def test_a_dict_of_inputs_reaches_every_stage_split_per_micro_batch(results: list) -> None:
+    """``position_ids`` restarting mid-row (two documents): every stage's mask and rotary embeddings follow them, as
+    the model's own training forward (``use_cache=False``, as SFT calls it) keeps attention within each document."""
+    assert_equal_to_one_process(results, one_process(as_documents=True), "packed")
+    assert results[0]["schedules"]["packed"]["losses"] != results[0]["schedules"]["1F1B"]["losses"]
+
+
+def assert_equal_to_one_process(results: list, reference: Dict[str, Any], schedule: str) -> None:
     for result in results:
         got = result["schedules"][schedule]
         assert got["losses"] == pytest.approx(reference["losses"], abs=1e-5)
