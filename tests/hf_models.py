@@ -17,7 +17,11 @@ COMMON = dict(
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
 EXTRA = {
     "llama": {},
+    "qwen2": {},
     "qwen3": {},
+    "mistral": {},
+    "olmo2": {},
+    "granite": {},
     "qwen3_next": dict(
         **MOE,
         num_experts=4,

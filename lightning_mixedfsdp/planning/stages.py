@@ -3,8 +3,8 @@ modules each stage holds.
 
 A model is split when its parts are known (:func:`block_layout`):
 - an HF decoder of the Llama family (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``,
-  ``lm_head``; Llama, Qwen2/3, Mistral and the like): its stage forward rebuilds the rotary embeddings, the position
-  ids and the causal mask from each micro-batch (``pipelining/stage_forward.py``);
+  ``lm_head``; :data:`LLAMA_FAMILY`): its stage forward rebuilds the rotary embeddings, the position ids and the
+  causal mask from each micro-batch (``pipelining/stage_forward.py``);
 - a model that names its block list in a class attribute ``pipeline_blocks = "layers"`` (this project's own), or any
   model given ``pipeline_split``: the modules registered before the block list run first, then the blocks, then the
   modules after it, each on the previous one's output (keyword inputs its ``forward`` takes passed along).
@@ -24,9 +24,11 @@ from lightning_mixedfsdp.model.names import is_hf_model, user_class_name
 
 HF_DECODER, SEQUENCE = "hf_decoder", "sequence"
 
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "smollm3", "ministral"})
-"""HF ``model_type`` values whose decoder runs embed -> layers (with rotary embeddings and a causal mask) -> norm ->
-head, as Llama's does."""
+LLAMA_FAMILY = frozenset({"llama", "qwen2", "qwen3", "olmo2"})
+"""HF ``model_type`` values whose decoder runs embed -> layers (with rotary embeddings and a causal mask per layer
+type) -> norm -> head, as Llama's does, each checked to the bit against the model's own forward
+(``tests/pipelining/test_stage_plans.py``). Not in it: Mistral (its sliding window is a config field, not a layer
+type), Granite (it scales its embeddings, residuals and logits), and every other class until checked."""
 
 
 @dataclass(frozen=True)

@@ -184,3 +184,36 @@ def test_the_planner_prints_each_stage_with_its_memory(tmp_path: Any, capsys: An
     assert "activations 2 micro-batches in flight" in gpipe.split("stage 1")[1]
     assert "activations 1 micro-batch in flight" in one_f_one_b.split("stage 1")[1]
     assert "stage" in one_f_one_b.split("\n\n")[1].split("\n")[0], "the dtype report's stage column"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "olmo2"])
+def test_a_stage_forward_computes_what_the_models_own_forward_does(model_type: str) -> None:
+    """One stage holding every module, on packed rows with sliding windows shorter than the rows: the logits of the
+    model's own training forward (``use_cache=False``), to the bit."""
+    import torch
+
+    from lightning_mixedfsdp.pipelining.stage_forward import cut_to_stages
+    from lightning_mixedfsdp.planning.stages import Stage, block_layout
+
+    windows = {"qwen2": {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1}}
+    model = tiny_model(model_type, num_hidden_layers=2, tie_word_embeddings=False, **windows.get(model_type, {}))
+    model.eval()
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, -1)
+    with torch.no_grad():
+        expected = model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    layout = block_layout(model)
+    assert layout is not None
+    cut_to_stages(model, layout, [Stage(0, layout.first, layout.blocks, layout.last)])
+    with torch.no_grad():
+        got = model(tokens, pipeline_stage=0, position_ids=positions)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("model_type", ["granite", "mistral"])
+def test_a_decoder_whose_forward_differs_from_llamas_is_refused_by_name(model_type: str) -> None:
+    """Granite multiplies its embeddings, residuals and logits; Mistral's sliding window is a config field, not a
+    layer type: the Llama-family stage forward would compute something else, silently."""
+    model = tiny_model(model_type, num_hidden_layers=2, tie_word_embeddings=False)
+    stages, found = plan_stages(model, 2)
+    assert stages is None and f"{type(model).__name__} cannot be split into pipeline stages automatically" in found[0]
