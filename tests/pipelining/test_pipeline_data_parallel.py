@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import Launch
-from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged
+from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged, one_process
 from tests.scenarios import full_params, make_fabric, unwrap
 
 WORLD = 4
@@ -55,17 +55,7 @@ LAUNCH = Launch(_scenarios, WORLD, with_folder=False, timeout=400)
 
 @pytest.fixture(scope="module")
 def reference() -> Dict[str, Any]:
-    model = llama()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for batch in batches()[:STEPS]:
-        loss = lm_loss(model(batch), batch)
-        loss.backward()
-        losses.append(loss.item())
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "params": dict(model.named_parameters())}
+    return one_process(as_documents=False)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
