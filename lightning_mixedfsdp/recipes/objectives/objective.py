@@ -4,8 +4,9 @@ An objective is a LightningModule that says what a batch holds (:meth:`Objective
 :meth:`Objective.data_problems`), the loss and its normalisation (:meth:`Objective.training_loss`), and what is
 evaluated and logged (:meth:`Objective.evaluate`, ``evaluated``, :meth:`Objective.summary`). The base holds the rest
 of a recipe's training: the model (the reference model, or an HF model built on the meta device in
-``configure_model``, LoRA-wrapped if asked), loading a pretrained directory, AdamW with warm-up and cosine decay, and
-the ``train_loss`` and ``lr`` logs. A new objective is a subclass in its own file and one line in ``registry.py``."""
+``configure_model``, LoRA-wrapped if asked), loading a pretrained directory, AdamW with warm-up and a decay
+(``optimizer.schedule``), and the ``train_loss`` and ``lr`` logs. A new objective is a subclass in its own file and
+one line in ``registry.py``."""
 
 import math
 from abc import ABC, abstractmethod
@@ -34,9 +35,19 @@ loggers, logged at step 0 by hand): the run's plot and a resumed launch's summar
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int) -> float:
     """Learning-rate factor: linear warm-up, then cosine decay to 10%."""
+    return lr_factor("cosine", step, warmup_steps, max_steps)
+
+
+def lr_factor(shape: str, step: int, warmup_steps: int, max_steps: int) -> float:
+    """The learning rate at ``step`` over its peak (``optimizer.schedule``): a linear warm-up over ``warmup_steps``,
+    then ``cosine`` or ``linear`` decay to 10 % at ``max_steps``, or ``constant`` (the peak until the end)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if shape == "constant":
+        return 1.0
+    if shape == "linear":
+        return 1.0 - 0.9 * progress
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
@@ -62,7 +73,7 @@ def before_after(evaluated: str, untrained: Optional[float], trained: Optional[f
 
 
 class Schedule(NamedTuple):
-    """AdamW's settings and the learning rate's plan: linear warm-up, then cosine decay to 10 % at ``max_steps``."""
+    """AdamW's settings and the learning rate's plan: linear warm-up, then ``shape`` (:func:`lr_factor`)."""
 
     lr: float
     weight_decay: float
@@ -77,6 +88,8 @@ class Schedule(NamedTuple):
     """Pipeline parallelism: each step runs ``strategy.pipeline_step`` under manual optimization."""
     gradient_clip: Optional[float] = None
     """The norm a pipelined step clips to (the Trainer's ``gradient_clip_val`` otherwise)."""
+    shape: str = "cosine"
+    """``optimizer.schedule``: ``cosine``, ``linear`` or ``constant`` after the warm-up."""
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Schedule":
@@ -85,7 +98,7 @@ class Schedule(NamedTuple):
         pipelined = recipe.strategy.parallelism.pipeline_parallel_size > 1
         return cls(
             optim.lr, optim.weight_decay, betas, optim.warmup_steps, recipe.trainer.max_steps, optim.name,
-            optim.muon_lr, optim.adjust_lr_fn, pipelined, recipe.trainer.gradient_clip_val or None,
+            optim.muon_lr, optim.adjust_lr_fn, pipelined, recipe.trainer.gradient_clip_val or None, optim.schedule,
         )  # fmt: skip
 
 
@@ -230,7 +243,7 @@ class Objective(pl.LightningModule, ABC):
         optimizer = self.trainer.optimizers[0]
         scheduler = self.trainer.lr_scheduler_configs[0].scheduler
         plan = self.schedule
-        factor = warmup_cosine(self.global_step, plan.warmup_steps, plan.max_steps)
+        factor = lr_factor(plan.shape, self.global_step, plan.warmup_steps, plan.max_steps)
         scheduler.base_lrs = [plan.muon_lr if group.get(MUON_KEY) else plan.lr for group in optimizer.param_groups]
         for group, peak in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
             group["lr"] = peak * factor
@@ -267,7 +280,7 @@ class Objective(pl.LightningModule, ABC):
         else:
             optimizer = torch.optim.AdamW(trainable, lr=plan.lr, weight_decay=plan.weight_decay, betas=plan.betas)
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, plan.warmup_steps, plan.max_steps)
+            optimizer, lambda step: lr_factor(plan.shape, step, plan.warmup_steps, plan.max_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
