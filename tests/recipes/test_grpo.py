@@ -5,9 +5,10 @@ on a sharded HF Llama, against the formula written out here on one process over 
 decoding on ranks whose completions end at different lengths (gathered and sharded generation), against the unsharded
 model's greedy tokens, followed by a training step; ``dtypes.fp32_compute_modules`` on an untied and a tied head under
 bf16-true (the logits an fp32 matmul of the bf16 weight, the storage bf16 and sharded, a tied embedding's lookup
-bf16); the generator-trainer mismatch with the head in bf16 and in fp32; and the recipe through the runner: a straight
-run, and a run stopped at step 2 and resumed, whose losses repeat the straight run's; a bf16 Mamba checkpoint under
-32-true (trained in fp32, sampling what the trainer scores), and with a broken state cache (every rank refuses the
+bf16); the generator-trainer mismatch with the head in bf16 and in fp32; DAPO with a masking correction against one
+process; and the recipe through the runner: a straight run, and a run stopped at step 2 and resumed, whose losses
+repeat the straight run's; a bf16 Mamba checkpoint under 32-true (trained in fp32, sampling what the trainer scores:
+a masking correction of bounds 1 +- 1e-5 keeps every token), and with a broken state cache (every rank refuses the
 first rollout). Each refusal runs here, before any launch."""
 
 import json
@@ -147,7 +148,34 @@ def _losses_on_given_rollouts(rank: int) -> Dict[str, Any]:
         fabric.backward(parts.loss)
         out[f"{kind} {beta}"] = {"grads": full_grads(model), "clip_fraction": parts.clip_fraction.item()}
         model.zero_grad(set_to_none=True)
+    rollout = _rollout(data, rows, old[rows])
+    kept = _masked_dapo(completion_log_probs(model, rollout, 1.0), old[rows], rollout.completion_mask,
+                        data["rewards"][rows])  # fmt: skip
+    out["mis dapo"] = {"grads": full_grads(model), "kept": kept}
     return out
+
+
+MIS = (0.8, 1.25)
+"""Bounds that reject some of ``_rollouts``' tokens (the generator's log-probs are the policy's plus up to 0.4)."""
+
+
+def _masked_dapo(log_probs: torch.Tensor, generated: torch.Tensor, mask: torch.Tensor, rewards: torch.Tensor) -> float:
+    """DAPO's loss with ``rl.correction=mis`` (pi_old: the first forward's, detached), its backward; the kept tokens
+    of every rank (the denominator), all-reduced when launched."""
+    import torch.distributed as dist
+
+    from lightning_mixedfsdp.recipes.rl.corrections import correction_of, importance_weights
+
+    weights = importance_weights(log_probs.detach(), generated, mask, correction_of("mis", "token", MIS))
+    tokens, ranks = weights.kept.sum(), 1
+    if dist.is_initialized():
+        dist.all_reduce(tokens)
+        ranks = dist.get_world_size()
+    settings = LossSettings("dapo", GROUP, CLIP, CLIP_HIGH, MAX_NEW)
+    loss = grpo_loss(log_probs, log_probs.detach(), weights.kept, rewards, settings, None, tokens, ranks,
+                     weights.weights).loss  # fmt: skip
+    loss.backward()
+    return float(tokens)
 
 
 def _greedy_prompts(model: nn.Module, end_after: int) -> Tuple[List[List[int]], int]:
@@ -319,7 +347,8 @@ def _mamba(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
     from lightning_mixedfsdp.recipes.rl import rollouts
 
     where, fp32 = Path(folder), ["trainer.precision=32-true"]
-    out: Dict[str, Any] = {"exact": _runner(where, policy, prompts, 2, "mamba", extra=fp32)}
+    exact = [*fp32, "rl.correction=mis", "rl.correction_bounds=[0.99999,1.00001]"]  # mu = pi_old to 1e-5, or masked
+    out: Dict[str, Any] = {"exact": _runner(where, policy, prompts, 2, "mamba", extra=exact)}
     decodes_with_cache, cached_step = rollouts.decodes_with_cache, rollouts.cached_step
     rollouts.decodes_with_cache, rollouts.cached_step = (lambda model: True), _forgetful_step  # type: ignore[assignment]
     try:
@@ -414,6 +443,20 @@ def test_each_loss_and_its_grads_on_two_ranks_equal_the_formula_on_one_process(r
     for name, grad in grads.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     assert any(results[rank]["losses"][f"{kind} {beta}"]["clip_fraction"] > 0 for rank in range(WORLD))
+
+
+def test_a_masked_correction_on_two_ranks_equals_one_process_with_every_ranks_kept_tokens(results: list) -> None:
+    data = _rollouts()
+    old, _ = _old_and_reference(_llama(), data)
+    model = _llama()
+    rollout = _rollout(data, slice(None), old)
+    mask = rollout.completion_mask
+    kept = _masked_dapo(completion_log_probs(model, rollout, 1.0), old, mask, data["rewards"])
+    assert 0 < kept < float(mask.sum())  # the bounds reject some tokens
+    got = results[0]["losses"]["mis dapo"]
+    assert got["kept"] == kept
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got["grads"][name], param.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_one_rank_loss_equals_the_formula_on_its_rollout() -> None:
@@ -522,6 +565,11 @@ def test_a_mamba_policy_samples_what_the_trainer_scores_and_a_cache_that_does_no
         seen = results[rank]["mamba"]
         assert len(seen["exact"]["logprob_mismatch"]) == 2
         assert max(seen["exact"]["logprob_mismatch"]) <= 1e-5, seen["exact"]["logprob_mismatch"]
+        # mu = pi_old = pi_theta to 1e-5 at each rollout's first update: ratio 1, nothing clipped, nothing masked
+        assert seen["exact"]["is_masked_fraction"] == [0.0, 0.0] and seen["exact"]["clip_fraction"] == [0.0, 0.0]
+        assert all(abs(w - 1) <= 1e-5 for w in seen["exact"]["is_weight_mean"]), seen["exact"]["is_weight_mean"]
+        assert all(1 <= e <= 1 + 1e-5 for e in seen["exact"]["token_mult_prob_error"]), seen["exact"]
+        assert all(0 <= gap <= 1e-5 for gap in seen["exact"]["max_prob_gap"]), seen["exact"]["max_prob_gap"]
         refused = seen["refused"]
         assert refused is not None and refused.startswith("GroupRelativePolicyOptimization: on MambaForCausalLM")
         value = float(re.search(r"logprob_mismatch .* is ([0-9.e+-]+), above rl.mismatch_limit=0.001", refused)[1])

@@ -16,6 +16,13 @@ difference: the mean over completion tokens of ``|exp(train - generator) - 1|``,
 on each rollout; a launch's first rollout above ``rl.mismatch_limit`` raises on every rank (a generator that samples
 another distribution than the trainer scores must not train quietly).
 
+Off-policy corrections (``rl.correction``, ``rl/corrections.py``): the loss holds three log-probs, the generator's
+(mu), pi_old (the first training forward's on the rollout, detached: the same weights the rollout was sampled
+from) and pi_theta. Without a correction PPO's ratio is taken against mu; with one against pi_old, and the
+importance weight pi_old / mu (truncated or masked) multiplies the policy-gradient term; rejected tokens leave the
+loss and its denominators. Each rollout's first update logs ``token_mult_prob_error`` and ``max_prob_gap`` (and with
+a correction ``is_weight_mean``, ``is_masked_fraction``).
+
 Rollouts decode on the sharded model (``rl.generation``): ``gathered`` all-gathers each unit once per rollout and
 holds the whole model for its length (``apply/gathered.py``); ``sharded`` keeps FSDP's per-forward all-gathers, and
 every rank then runs as many decoding steps as the longest (a flag all-reduced each step). Either way ranks whose
@@ -57,6 +64,14 @@ from lightning_mixedfsdp.recipes.objectives.objective import (
     TrainingLoss,
     before_after,
     build_model,
+)
+from lightning_mixedfsdp.recipes.rl.corrections import (
+    Correction,
+    Weights,
+    correction_of,
+    correction_problems,
+    importance_weights,
+    mismatch_logs,
 )
 from lightning_mixedfsdp.recipes.rl.generation import GENERATIONS, generate
 from lightning_mixedfsdp.recipes.rl.losses import LOSSES, LossSettings, grpo_loss
@@ -190,6 +205,31 @@ def check_first_mismatch(mismatch: Tensor, settings: RlSection, precision: str, 
     return True
 
 
+def log_rollout(objective: Objective, rollout: Rollout, rewards: Tensor, means: Dict[str, float]) -> None:
+    """A new rollout's ``train_reward`` (and each reward's), its ``completion_length``."""
+    objective.log("train_reward", rewards.mean(), prog_bar=True, sync_dist=True)
+    for name, mean in means.items():
+        objective.log(f"train_reward_{name}", mean, sync_dist=True)
+    objective.log("completion_length", rollout.completion_lengths.float().mean(), sync_dist=True)
+
+
+def log_generator_mismatch(
+    objective: Objective, trained: Tensor, generated: Tensor, mask: Tensor, correction: Correction, weights: Weights
+) -> Tensor:
+    """Log the generator against the trainer on a rollout's first update (``logprob_mismatch``,
+    ``token_mult_prob_error``, ``max_prob_gap``; with a correction its weights' mean and rejected share); the
+    mismatch."""
+    mismatch = log_prob_mismatch(trained, generated, mask)
+    objective.log("logprob_mismatch", mismatch, sync_dist=True)
+    logs = mismatch_logs(trained, generated, mask, weights)
+    objective.log("token_mult_prob_error", logs["token_mult_prob_error"], sync_dist=True)
+    objective.log("max_prob_gap", logs["max_prob_gap"], sync_dist=True, reduce_fx="max")
+    if correction.enabled:
+        objective.log("is_weight_mean", logs["is_weight_mean"], sync_dist=True)
+        objective.log("is_masked_fraction", logs["is_masked_fraction"], sync_dist=True)
+    return mismatch
+
+
 class GroupRelativePolicyOptimization(Objective):
     """The policy, its optional reference, and the rollout in use (see the module's docstring)."""
 
@@ -216,8 +256,9 @@ class GroupRelativePolicyOptimization(Objective):
         self.rollout: Optional[Rollout] = None  # in use: sampled at step rollout_index * updates_per_rollout
         self.rollout_index = -1
         self.rollout_rewards: Optional[Tensor] = None
-        self.first_update = False
-        self.mismatch_checked = False
+        self.old_log_probs: Optional[Tensor] = None  # pi_old of the rollout in use (rl.correction)
+        self.correction = correction_of(self.rl.correction, self.rl.correction_level, self.rl.correction_bounds)
+        self.first_update = self.mismatch_checked = False
         self.held_out_reward = MeanMetric()
         leave_out_of_checkpoints(self, REFERENCE)
 
@@ -312,10 +353,7 @@ class GroupRelativePolicyOptimization(Objective):
         rollout = self.complete(prompts, sampling, generator)
         rewards, means = self.score(prompts, rollout)
         self.rollout, self.rollout_rewards, self.rollout_index, self.first_update = rollout, rewards, index, True
-        self.log("train_reward", rewards.mean(), prog_bar=True, sync_dist=True)
-        for name, mean in means.items():
-            self.log(f"train_reward_{name}", mean, sync_dist=True)
-        self.log("completion_length", rollout.completion_lengths.float().mean(), sync_dist=True)
+        log_rollout(self, rollout, rewards, means)
 
     # -- the loss
 
@@ -326,20 +364,23 @@ class GroupRelativePolicyOptimization(Objective):
         rollout, rewards, settings = self.rollout, self.rollout_rewards, self.rl
         assert rollout is not None and rewards is not None
         log_probs = completion_log_probs(self.model, rollout, settings.temperature, self._vocab())
-        mask = rollout.completion_mask
+        mask, generated = rollout.completion_mask, rollout.generator_log_probs
         if self.first_update:
-            mismatch = log_prob_mismatch(log_probs.detach(), rollout.generator_log_probs, mask)
-            self.log("logprob_mismatch", mismatch, sync_dist=True)
+            self.old_log_probs = log_probs.detach()  # pi_old: the weights the rollout was sampled from
+        old = self.old_log_probs if self.correction.enabled else generated
+        assert old is not None and self.old_log_probs is not None
+        weights = importance_weights(old, generated, mask, self.correction)
+        if self.first_update:
+            mismatch = log_generator_mismatch(self, self.old_log_probs, generated, mask, self.correction, weights)
             if not self.mismatch_checked:  # the launch's first rollout
                 self.mismatch_checked = check_first_mismatch(mismatch, self.rl, str(self.trainer.precision), self.model)
-        all_tokens = all_ranks_tokens(mask) if settings.loss == "dapo" else None
+        all_tokens = all_ranks_tokens(weights.kept) if settings.loss == "dapo" else None
         model, reference, vocab = self.model, self.reference, self._vocab()
         reference_probs = reference_log_probs(
             self.reference_kind, model, reference, rollout, settings.temperature, vocab
         )
-        ranks = self.data_parallel_ranks()
-        parts = grpo_loss(log_probs, rollout.generator_log_probs, mask, rewards, loss_settings(settings),
-                          reference_probs, all_tokens, ranks)  # fmt: skip
+        parts = grpo_loss(log_probs, old, weights.kept, rewards, loss_settings(settings), reference_probs, all_tokens,
+                          self.data_parallel_ranks(), weights.weights if self.correction.enabled else None)  # fmt: skip
         self.log("clip_fraction", parts.clip_fraction, sync_dist=True)
         if self.reference_kind is not None:
             self.log("kl", parts.kl, sync_dist=True)
@@ -377,8 +418,9 @@ def grpo_problems(recipe: Recipe) -> List[str]:
 
 
 def rl_setting_problems(settings: RlSection) -> List[str]:
-    """The ``rl`` section's values: the reward, the group, sampling, the loss."""
+    """The ``rl`` section's values: the reward, the group, sampling, the loss, the correction."""
     problems = reward_problems(settings.reward)
+    problems += correction_problems(settings.correction, settings.correction_level, settings.correction_bounds)
     if settings.group_size < 2:
         problems.append(
             f"rl.group_size={settings.group_size}: advantages compare each completion with the others of its prompt's"

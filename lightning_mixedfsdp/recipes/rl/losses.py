@@ -2,11 +2,13 @@
 
 Per group (a prompt's ``group_size`` completions) the rewards ``r`` give each completion an advantage: ``grpo`` and
 ``dapo`` ``(r - mean) / (std + 1e-4)`` (std unbiased, as trl), ``dr_grpo`` ``r - mean``. Per completion token, with
-``ratio = exp(log p - log p_old)`` against the generator's log-probs (the old policy), PPO's clipped surrogate
+``ratio = exp(log p - log p_old)`` against the old policy (the generator's log-probs without a correction, the
+trainer's ``pi_old`` with one: ``rl/corrections.py``), PPO's clipped surrogate weighted by the correction's ``w``
 
-    l = -min(ratio A, clip(ratio, 1 - clip, 1 + clip_high) A) + beta k3,  k3 = exp(ref - log p) - (ref - log p) - 1
+    l = -w min(ratio A, clip(ratio, 1 - clip, 1 + clip_high) A) + beta k3,  k3 = exp(ref - log p) - (ref - log p) - 1
 
-and the tokens' losses become the loss by ``rl.loss``:
+and the tokens' losses become the loss by ``rl.loss`` (over the tokens ``completion_mask`` keeps: a correction's
+rejected tokens are out of it):
 
 - ``grpo``: each completion's mean over its tokens, then the mean over completions;
 - ``dr_grpo``: the sum over every token over ``completions x max_new_tokens`` (a constant: no length bias);
@@ -67,9 +69,11 @@ def grpo_loss(
     reference_log_probs: Optional[Tensor] = None,
     all_tokens: Optional[Tensor] = None,
     ranks: int = 1,
+    weights: Optional[Tensor] = None,
 ) -> LossParts:
     """The loss of one rank's rollout (``[rows, len]`` per-token tensors; ``rewards`` per row); ``all_tokens`` and
-    ``ranks``: ``dapo``'s denominator, the completion tokens of every rank."""
+    ``ranks``: ``dapo``'s denominator, the kept completion tokens of every rank; ``weights``: the correction's
+    importance weight of each token (detached; none: 1)."""
     kind, group_size, beta = settings.kind, settings.group_size, settings.beta
     clip, clip_high, max_new_tokens = settings.clip, settings.clip_high, settings.max_new_tokens
     mask = completion_mask.float()
@@ -77,6 +81,8 @@ def grpo_loss(
     ratio = torch.exp(log_probs - old_log_probs)
     clipped = ratio.clamp(1 - clip, 1 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    if weights is not None:
+        per_token = per_token * weights.detach()
     kl = torch.zeros_like(per_token)
     if beta and reference_log_probs is not None:
         gap = reference_log_probs - log_probs

@@ -252,6 +252,16 @@ class RlSection:
     """How rollouts decode: ``gathered`` (each unit all-gathered once per rollout and held until it ends: faster,
     the whole model's params in the compute dtype on every rank) or ``sharded`` (FSDP's all-gathers at every
     decoding step: the memory of training)."""
+    correction: str = "none"
+    """The off-policy correction of every rollout (``rl/corrections.py``): ``none`` (PPO's ratio against the
+    generator's log-probs), ``tis`` (the trainer's over the generator's probability, truncated into the bounds),
+    ``mis`` (tokens whose weight is outside the bounds rejected) or ``icepop`` (``mis`` per token, [0.5, 2])."""
+    correction_level: str = "token"
+    """Whose weight a correction bounds: each ``token``'s, the completion's product (``sequence``) or its geometric
+    mean (``geometric``)."""
+    correction_bounds: Optional[List[float]] = None
+    """``[low, high]`` with ``0 <= low <= 1 < high``; unset: [0, 2] for ``tis`` and ``mis``, [0.5, 2] for
+    ``icepop``."""
     mismatch_limit: Optional[float] = None
     """The largest ``logprob_mismatch`` a launch's first rollout may have: above it every rank raises, naming the
     model class and the value, since the rollouts are then not the trained policy's samples (a cache that decodes
@@ -272,7 +282,10 @@ class OptimizerSection:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
     warmup_steps: int = 20
-    """Linear warm-up steps, then cosine decay to 10%."""
+    """Linear warm-up steps, then ``schedule``."""
+    schedule: str = "cosine"
+    """The learning rate after the warm-up: ``cosine`` (decay to 10 % of ``lr`` at ``trainer.max_steps``), ``linear``
+    (the same ends, a straight line) or ``constant`` (``lr`` until the end, as RL runs often train)."""
     muon_lr: float = 0.02
     """``name: muon``: Muon's peak learning rate (its matrices follow the same warm-up and decay)."""
     adjust_lr_fn: str = "original"
@@ -417,6 +430,7 @@ def recipe_spelling(problem: str) -> str:
 
 OPTIMIZERS = ("adamw", "muon")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 def optimizer_problems(recipe: Recipe) -> List[str]:
@@ -426,6 +440,10 @@ def optimizer_problems(recipe: Recipe) -> List[str]:
         problems.append(f"optimizer.name={optimizer.name!r} is none of {', '.join(OPTIMIZERS)}; pick one")
     if optimizer.adjust_lr_fn not in ADJUST_LR_FNS:
         problems.append(f"optimizer.adjust_lr_fn={optimizer.adjust_lr_fn!r} is none of {', '.join(ADJUST_LR_FNS)}")
+    if optimizer.schedule not in LR_SCHEDULES:
+        problems.append(f"optimizer.schedule={optimizer.schedule!r} is none of {', '.join(LR_SCHEDULES)}; pick one")
+    if optimizer.warmup_steps < 0:
+        problems.append(f"optimizer.warmup_steps={optimizer.warmup_steps} must be >= 0 (0: no warm-up)")
     if optimizer.name != "muon":
         return problems
     if recipe.strategy.dtypes.bf16_updates != "nearest":
