@@ -49,6 +49,10 @@ def __getattr__(name: str) -> Any:
         from lightning_mixedfsdp.strategies.precision import MixedFSDPPrecision
 
         return MixedFSDPPrecision
+    if name == "stream_weights":  # finds the Lightning strategy that set the model up
+        from lightning_mixedfsdp.strategies.weight_stream import stream_weights
+
+        return stream_weights
     if name == "PrecisionMonitor":  # a Lightning callback, imported on first use as well
         from lightning_mixedfsdp.strategies.precision_monitor import PrecisionMonitor
 

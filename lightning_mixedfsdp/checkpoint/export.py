@@ -67,7 +67,7 @@ def _umask() -> int:
 
 
 @dataclass(frozen=True)
-class _Pending:
+class PendingTensor:
     """A tensor to export: its name, its full value's shape and dtype, and its full value region by region (a
     collective on every rank for a sharded one)."""
 
@@ -82,7 +82,7 @@ def write_safetensors(
 ) -> List[Path]:
     """HF layout: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards plus an index; every tensor
     as it is. One process writes (no collective), in place."""
-    tensors = [_Pending(name, t.shape, t.dtype, partial(full_regions, t)) for name, t in state.items()]
+    tensors = [PendingTensor(name, t.shape, t.dtype, partial(full_regions, t)) for name, t in state.items()]
     directory.mkdir(parents=True, exist_ok=True)
     layout = _Layout(tensors, lambda _, source: source, max_shard_bytes)
     layout.write(directory, DEFAULT_EXPORT_CHUNK_BYTES, None, metadata)
@@ -114,9 +114,9 @@ def export_model(
 
     model = unwrap_model(model)
     keep_fp32: Collection[str] = set(plan.fp32_names)
-    tensors = _export_tensors(model)
+    tensors = export_tensors(model)
     if is_peft_model(model):
-        tensors = _merged_peft_tensors(model, tensors)
+        tensors = merged_peft_tensors(model, tensors)
         keep_fp32 = {base for base in (peft_base_name(n) for n in keep_fp32) if base is not None}
     manifest = plan.keep_fp32_manifest
     if stages is not None:
@@ -184,7 +184,7 @@ class _Layout:
 
     def __init__(
         self,
-        tensors: Sequence[_Pending],
+        tensors: Sequence[PendingTensor],
         target_dtype: Callable[[str, torch.dtype], torch.dtype],
         max_shard_bytes: int,
     ) -> None:
@@ -280,7 +280,7 @@ def _local(agreement: Optional[Agreement], action: Callable[[], Any]) -> None:
         action()
 
 
-def _export_tensors(model: nn.Module) -> List[_Pending]:
+def export_tensors(model: nn.Module) -> List[PendingTensor]:
     """Every param and persistent buffer in state-dict order under its canonical name (tied names each once, as the
     state dict holds them), and the 4-bit base weights, which state dicts leave out (``apply/quantize.py``)."""
     tensors = model.state_dict(keep_vars=True)
@@ -288,7 +288,7 @@ def _export_tensors(model: nn.Module) -> List[_Pending]:
         if name not in tensors and is_nf4(local_tensor(param)):
             tensors[name] = param
     return [
-        _Pending(canonical_name(name), tensor.shape, tensor.dtype, partial(full_regions, tensor.detach()))
+        PendingTensor(canonical_name(name), tensor.shape, tensor.dtype, partial(full_regions, tensor.detach()))
         for name, tensor in tensors.items()
     ]
 
@@ -344,7 +344,7 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
 
     adapter: str = model.active_adapter
     # the adapter's tensors alone are gathered (they are small: whole): the base never leaves its shards
-    state = {p.name: _whole(p) for p in _export_tensors(model) if "lora_" in p.name}
+    state = {p.name: _whole(p) for p in export_tensors(model) if "lora_" in p.name}
 
     def finish(folder: Path) -> None:
         weights = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter)
@@ -355,13 +355,13 @@ def export_adapter(model: nn.Module, directory: PathLike) -> Optional[List[Path]
     return [path for path in written if path.name == ADAPTER_FILE] if dist.get_rank() == 0 else None
 
 
-def _whole(pending: _Pending) -> Tensor:
+def _whole(pending: PendingTensor) -> Tensor:
     """A tensor's full value in one piece (for small tensors: an adapter's)."""
     regions = list(pending.regions(max(1, math.prod(pending.shape) * pending.dtype.itemsize)))
     return regions[0][3] if len(regions) == 1 else torch.cat([r[3] for r in regions], dim=regions[0][0])
 
 
-def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_Pending]:
+def merged_peft_tensors(model: "PeftModel", tensors: List[PendingTensor]) -> List[PendingTensor]:
     """A PEFT model's tensors under its base model's names, each LoRA layer's active adapter folded into its base
     weight region by region (peft's own merge of ``lora.Linear``: ``W + transpose(B @ A) * scaling``, in fp32 for
     bf16 on the CPU, added in the weight's dtype); the adapter tensors themselves are not written."""
@@ -388,16 +388,16 @@ def _merged_peft_tensors(model: "PeftModel", tensors: List[_Pending]) -> List[_P
             continue  # an adapter tensor: merged into its base weight
         module = merges.get(pending.name)
         regions = pending.regions if module is None else partial(_merged_regions, pending, module, adapter)
-        out.append(_Pending(base, pending.shape, pending.dtype, regions))
+        out.append(PendingTensor(base, pending.shape, pending.dtype, regions))
     return out
 
 
 def _whole_weight(weight: Tensor) -> Tensor:
     """A (small) weight gathered whole on every rank."""
-    return _whole(_Pending("adapter", weight.shape, weight.dtype, partial(full_regions, weight.detach())))
+    return _whole(PendingTensor("adapter", weight.shape, weight.dtype, partial(full_regions, weight.detach())))
 
 
-def _merged_regions(pending: _Pending, module: Any, adapter: str, region_bytes: int) -> Iterator[Region]:
+def _merged_regions(pending: PendingTensor, module: Any, adapter: str, region_bytes: int) -> Iterator[Region]:
     """peft's merge of one ``lora.Linear`` (``get_delta_weight`` and ``merge``, peft 0.21), region by region of the
     base weight: the adapter's A and B are gathered whole (rank x features), the delta of each region from them."""
     lora_a, lora_b = _whole_weight(module.lora_A[adapter].weight), _whole_weight(module.lora_B[adapter].weight)
@@ -436,11 +436,11 @@ class PipelineStages:
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
-    def every_stages_tensors(self, tensors: List[_Pending]) -> List[_Pending]:
+    def every_stages_tensors(self, tensors: List[PendingTensor]) -> List[PendingTensor]:
         """Every stage's tensors in stage order: this stage's walk their regions (collectives over its data-parallel
         ranks) and, on the sending rank, send them to rank 0; rank 0 receives the others'."""
         described = self.every_stages([(t.name, tuple(t.shape), t.dtype) for t in tensors])
-        every: List[_Pending] = []
+        every: List[PendingTensor] = []
         for stage, entries in enumerate(described):
             for index, (name, shape, dtype) in enumerate(entries):
                 regions: Callable[[int], Iterator[Region]]
@@ -450,7 +450,7 @@ class PipelineStages:
                     regions = partial(self._received, stage, shape, dtype)
                 else:
                     regions = _nothing
-                every.append(_Pending(name, torch.Size(shape), dtype, regions))
+                every.append(PendingTensor(name, torch.Size(shape), dtype, regions))
         return every
 
     def _sent(self, regions: Callable[[int], Iterator[Region]], region_bytes: int) -> Iterator[Region]:

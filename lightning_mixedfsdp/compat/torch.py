@@ -508,3 +508,18 @@ def pipeline_schedule_class(name: str) -> Any:
     from torch.distributed import pipelining
 
     return getattr(pipelining, f"Schedule{name}")
+
+
+# ---- profiler --------------------------------------------------------------------------------------------------------
+
+
+def profiled_host_memory_changes(profile: Any) -> List[Tuple[int, int]]:
+    """Every host allocation (+bytes) and free (-bytes) a finished ``torch.profiler.profile(profile_memory=True)``
+    recorded, as ``(time in ns, bytes)``: its ``profiler.kineto_results`` events named ``[memory]`` (the raw records;
+    ``profile.events()`` folds them into ops, and counts a child on another thread in its parent too). Attributes
+    without an underscore but undocumented, checked on torch 2.11, 2.13 and 2.15."""
+    changes = []
+    for event in profile.profiler.kineto_results.events():
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
+            changes.append((int(event.start_ns()), int(event.nbytes())))
+    return changes

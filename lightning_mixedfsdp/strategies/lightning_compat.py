@@ -42,6 +42,14 @@ def unwrap_fabric_module(module: nn.Module) -> Optional[nn.Module]:
     return module._forward_module if isinstance(module, _FabricModule) else None
 
 
+def fabric_module_strategy(module: nn.Module) -> Optional[Any]:
+    """The strategy that set up a Fabric module (``_FabricModule._strategy``, lightning 2.6.5 and 2.6.6); None for any
+    other module."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    return module._strategy if isinstance(module, _FabricModule) else None
+
+
 def has_dtensor_modules(value: object) -> bool:
     """Whether ``value`` is a module with DTensor params: Lightning's own test for "the distributed model" of a
     checkpoint's state (``lightning.fabric.strategies.model_parallel._has_dtensor_modules``), looked up at call time

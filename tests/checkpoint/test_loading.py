@@ -179,8 +179,8 @@ def test_only_a_folder_of_the_checkpoints_own_files_is_read_by_every_rank(tmp_pa
 def test_a_merged_export_of_lora_it_cannot_merge_layer_by_layer_is_refused_not_dropped() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from lightning_mixedfsdp.checkpoint.export import _export_tensors, _merged_peft_tensors
+    from lightning_mixedfsdp.checkpoint.export import export_tensors, merged_peft_tensors
 
     model = get_peft_model(_tied_llama(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
     with pytest.raises(TypeError, match=r"merging base_model.model.model.embed_tokens \(Embedding\) is not supported"):
-        _merged_peft_tensors(model, _export_tensors(model))
+        merged_peft_tensors(model, export_tensors(model))
