@@ -8,12 +8,16 @@ an HF Llama built from config (byte-level vocabulary) sharded by ``mixed_fsdp2``
   decoding step, an end flag all-reduced per step);
 - rollout tokens/s of each mode (completion tokens of both ranks over the generate time), and the param bytes each
   holds per rank while decoding (gathered: every unit unsharded; sharded: the shards plus one unit at a time);
+- the weight sync (``lightning_mixedfsdp.stream_weights`` to rank 0) at each ``--bucket-mb``: its time, MB/s, and each
+  rank's peak host allocation during it (an allocator ledger) beside the largest FSDP unit;
 - the generator-trainer log-prob mismatch (mean over completion tokens of ``|p_train / p_generator - 1|``) with the
   head in bf16 and in fp32, on a policy first trained until its distributions are peaked (a random init's logits
   round alike in bf16 whichever head computes them).
 
     python -m benchmarks.rl                      # 64-wide, 4 layers: about 2 minutes on 2 cores
     python -m benchmarks.rl --dim 128 --layers 4 --steps 8
+    python -m benchmarks.rl --learning           # the recipe against a plain loop: benchmarks/rl_learning.py
+    python -m benchmarks.rl --modes              # a recipe step colocated, on a generator rank, one step stale
 
 Figures, never asserted: ``tests/test_benchmarks.py`` runs it at tiny sizes for its structure.
 """
@@ -21,11 +25,14 @@ Figures, never asserted: ``tests/test_benchmarks.py`` runs it at tiny sizes for 
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from benchmarks.rl_learning import learning, learning_parser
+from benchmarks.rl_modes import generation_modes
 from lightning_mixedfsdp.testing import run_distributed
 
 WORLD = 2
@@ -168,6 +175,31 @@ def mismatch(trained: Dict[str, torch.Tensor], dim: int, layers: int, rank: int,
     return out
 
 
+def weight_sync(dim: int, layers: int, bucket_mb: Sequence[float]) -> Dict[float, Dict[str, float]]:
+    """``stream_weights`` of the bf16-true policy to rank 0 at each bucket size: seconds (median of 3), bytes sent,
+    and this rank's peak host allocation during the stream (an allocator ledger) beside its largest FSDP unit."""
+    import torch.distributed as dist
+
+    from lightning_mixedfsdp import stream_weights
+    from lightning_mixedfsdp.diagnostics.allocations import AllocationLedger
+
+    fabric = fabric_with_head(["^lm_head$"])
+    model = fabric.setup_module(llama(dim, layers))
+    out = {}
+    for mb in bucket_mb:
+        times, sent, peak = [], 0, 0
+        for _ in range(3):
+            dist.barrier()
+            start = time.perf_counter()
+            with AllocationLedger() as ledger:
+                sent = sum(t.numel() * t.element_size() for b in stream_weights(model, int(mb * 2**20)) for _, t in b)
+            times.append(time.perf_counter() - start)
+            peak = max(peak, ledger.peak_bytes)
+        out[mb] = {"seconds": statistics.median(times), "bytes": float(sent), "peak": float(peak)}
+    out_unit = float(unit_bytes(model, torch.bfloat16))
+    return {mb: {**figures, "unit": out_unit} for mb, figures in out.items()}
+
+
 def _rank(rank: int, world: int, settings: Dict[str, Any]) -> Dict[str, Any]:
     from lightning_mixedfsdp.apply.gathered import gathered_params
 
@@ -187,6 +219,7 @@ def _rank(rank: int, world: int, settings: Dict[str, Any]) -> Dict[str, Any]:
         with gathered_params(model, model):
             gathered = held_bytes(model)
         out["bytes"][mode] = gathered if mode == "gathered" else sharded + unit_bytes(model, torch.bfloat16)
+    out["sync"] = weight_sync(dim, layers, settings["bucket_mb"])
     trained = peaked(dim, layers, settings["peaked_steps"])
     out["mismatch"] = mismatch(trained, dim, layers, rank, settings["new"])
     return out
@@ -201,6 +234,11 @@ def parser() -> argparse.ArgumentParser:
     arguments.add_argument("--group", type=int, default=8, help="completions per prompt")
     arguments.add_argument("--new", type=int, default=16, help="max new tokens")
     arguments.add_argument("--peaked-steps", type=int, default=100, help="training steps of the mismatch's policy")
+    arguments.add_argument("--bucket-mb", type=float, nargs="+", default=[0.25, 1.0, 4.0], help="weight-sync buckets")
+    arguments.add_argument("--learning", action="store_true", help="steps to 0.6: the recipe against a plain loop")
+    arguments.add_argument("--modes", action="store_true", help="a recipe step's time in each generation mode")
+    arguments.add_argument("--mode-steps", type=int, default=8, help="steps of each --modes run")
+    learning_parser(arguments)
     return arguments
 
 
@@ -239,14 +277,33 @@ def report(ranks: Sequence[Dict[str, Any]], settings: Dict[str, Any]) -> Dict[st
         f" {mismatches['bf16']:.2e}, head fp32 {mismatches['fp32']:.2e}"
         + (f" ({mismatches['fp32'] / mismatches['bf16']:.2f}x)" if mismatches["bf16"] else "")
     )
-    return {"phases": medians, "tokens_per_s": tokens_per_s, "bytes": bytes_held, "mismatch": mismatches}
+    print_sync(ranks, settings["bucket_mb"])
+    sync = {mb: [rank["sync"][mb] for rank in ranks] for mb in settings["bucket_mb"]}
+    return {"phases": medians, "tokens_per_s": tokens_per_s, "bytes": bytes_held, "mismatch": mismatches, "sync": sync}
+
+
+def print_sync(ranks: Sequence[Dict[str, Any]], bucket_mb: Sequence[float]) -> None:
+    print("weight sync to rank 0 (stream_weights, bf16 as stored; median of 3; the slower rank's time)")
+    print("| bucket | seconds | MB/s | peak allocated, rank 0 (receives) | rank 1 | largest unit (bf16) |")
+    print("|---|---|---|---|---|---|")
+    for mb in bucket_mb:
+        figures = [rank["sync"][mb] for rank in ranks]
+        seconds, sent = max(f["seconds"] for f in figures), figures[0]["bytes"]
+        print(
+            f"| {mb:g} MiB | {seconds:.4f} | {sent / seconds / 1e6:.0f} | {figures[0]['peak'] / 1024:.0f} KiB |"
+            f" {figures[1]['peak'] / 1024:.0f} KiB | {figures[0]['unit'] / 1024:.0f} KiB |"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser().parse_args(argv)
+    if args.learning:
+        return learning(args)
+    if args.modes:
+        return generation_modes(args.warm_start, args.mode_steps, Path(args.out), args.overrides)
     settings = {
         "dim": args.dim, "layers": args.layers, "steps": args.steps, "prompts": args.prompts, "group": args.group,
-        "new": args.new, "peaked_steps": args.peaked_steps,
+        "new": args.new, "peaked_steps": args.peaked_steps, "bucket_mb": args.bucket_mb,
     }  # fmt: skip
     ranks = run_distributed(_rank, WORLD, settings, timeout=1800)
     return report(ranks, settings)

@@ -379,7 +379,7 @@ def test_rl_benchmark_splits_a_step_for_both_generation_modes_and_measures_both_
     from benchmarks import rl
 
     results = rl.main(["--dim", "32", "--layers", "2", "--steps", "2", "--prompts", "2", "--group", "2", "--new", "4",
-                       "--peaked-steps", "2"])  # fmt: skip
+                       "--peaked-steps", "2", "--bucket-mb", "0.01"])  # fmt: skip
     assert set(results["phases"]) == {"gathered", "sharded"}
     assert all(value > 0 for phases in results["phases"].values() for value in phases.values())
     assert all(results["tokens_per_s"][mode] > 0 for mode in ("gathered", "sharded"))
@@ -388,6 +388,8 @@ def test_rl_benchmark_splits_a_step_for_both_generation_modes_and_measures_both_
     assert set(results["mismatch"]) == {"bf16", "fp32"}
     out = capsys.readouterr().out
     assert "| gathered |" in out and "| sharded |" in out and "log-prob mismatch" in out
+    sync = results["sync"][0.01]  # rank 0 receives the weights, rank 1 holds a region at a time
+    assert sync[0]["bytes"] > 0 and sync[0]["peak"] > sync[1]["peak"] > 0 and "| 0.01 MiB |" in out
 
 
 def test_pipeline_benchmark_measures_each_schedule_and_counts_resharding(capsys) -> None:

@@ -523,3 +523,42 @@ def profiled_host_memory_changes(profile: Any) -> List[Tuple[int, int]]:
         if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU:
             changes.append((int(event.start_ns()), int(event.nbytes())))
     return changes
+
+
+# ---- process groups outside the default world ------------------------------------------------------------------------
+
+
+def rendezvous_store(host: str, port: int, size: int, hosting: bool, timeout_s: float) -> Any:
+    """A TCP store for ``size`` processes at ``host:port`` (``hosting``: this process serves it; port 0 picks a free
+    one, read back as ``store.port``). Public ``torch.distributed.TCPStore``, checked on torch 2.11, 2.13, 2.15."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, port, size, is_master=hosting, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def standalone_gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> Any:
+    """A gloo process group of ``size`` processes over ``store``, outside the default world: GRPO's generator ranks
+    and the trainer that feeds them (what vLLM's StatelessProcessGroup does). Its collectives are the group object's
+    own methods (``broadcast``, ``send``, ``recv``): ``torch.distributed``'s functions look a group up in the default
+    world. ``PrefixStore`` and ``ProcessGroupGloo``'s constructor, public names without documentation, checked on
+    torch 2.11, 2.13 and 2.15."""
+    import datetime
+
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore("generator_ranks", store)
+    return dist.ProcessGroupGloo(prefixed, rank, size, datetime.timedelta(seconds=timeout_s))
+
+
+def broadcast_options(root: int) -> Any:
+    """``BroadcastOptions`` from ``root`` for a group object's own ``broadcast`` (public name, checked on torch 2.11,
+    2.13 and 2.15)."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    return options

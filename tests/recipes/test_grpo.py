@@ -361,6 +361,66 @@ def _mamba(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
     return out
 
 
+ONE_UPDATE = ["trainer.precision=32-true", "trainer.gradient_clip_val=1.0", "trainer.checkpoint_every_n_steps=0"]
+
+
+def _one_update(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
+    """One recipe step under 32-true (AdamW with weight decay, the clip, the schedule) through the runner's own
+    Trainer: this rank's rollout, its rewards, and the params after the update."""
+    import lightning.pytorch as pl
+
+    from lightning_mixedfsdp.recipes.objectives.registry import objective_class
+    from lightning_mixedfsdp.recipes.run import runner
+    from lightning_mixedfsdp.recipes.run.checkpoints import RunCheckpoints
+    from lightning_mixedfsdp.recipes.run.stopping import StopRequest
+
+    length = f"rl.reward={Path(prompts).parent / 'length_reward.py'}:length"  # rewards that differ: advantages
+    overrides = [*_recipe(policy, prompts, str(Path(folder) / "one_update"), 1), *ONE_UPDATE, length]
+    recipe = load_recipe(None, overrides, launching=False)
+    captured: Dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            # after the optimizer's step (Lightning runs the closure, backward and the clip inside it): the grads
+            # it applied
+            step_hook = lambda *_: captured.update(grads=full_grads(module.model))  # noqa: E731
+            trainer.optimizers[0].register_step_post_hook(step_hook)
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *_: Any) -> None:
+            rollout = module.rollout
+            captured.update(rewards=module.rollout_rewards.cpu(), params=_full_params(module.model))
+            captured["rollout"] = {name: getattr(rollout, name).cpu() for name in
+                                   ("input_ids", "attention_mask", "completion_mask")}  # fmt: skip
+            captured["rollout"]["prompt_len"] = rollout.prompt_len
+
+    trainer = runner.build_trainer(recipe, RunCheckpoints(runner.run_folder(recipe), 0, 1, StopRequest()))
+    trainer.callbacks.append(Capture())
+    objective = objective_class(recipe)
+    trainer.fit(objective.from_recipe(recipe), datamodule=objective.data(recipe))
+    return captured
+
+
+def _full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters()}  # fmt: skip
+
+
+def _generator_ranks(rank: int, folder: str, policy: str, prompts: str) -> Dict[str, Any]:
+    """The same 32-true run sampled on the trainers (gathered) and on a generator rank; a bf16 run one step stale
+    with TIS; each sync verified (the generator's params hashed against what the trainers sent)."""
+    where, fp32 = Path(folder), ["trainer.precision=32-true"]
+    ranks = ["rl.generation=ranks", "rl.generator_ranks=1", "rl.verify_sync=true", "rl.sync_bucket_mb=0.01"]
+    exact = ["rl.correction=mis", "rl.correction_bounds=[0.99999,1.00001]"]
+    return {
+        "gathered": _runner(where, policy, prompts, 3, "gen_gathered", extra=[*fp32, *exact]),
+        "ranks": _runner(where, policy, prompts, 3, "gen_ranks", extra=[*fp32, *exact, *ranks]),
+        "stale": _runner(where, policy, prompts, 3, "gen_stale", extra=[*ranks, "rl.max_staleness=1",
+                                                                        "rl.correction=tis"]),
+    }  # fmt: skip
+
+
 def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
     policy, prompts = str(Path(inputs) / "policy"), str(Path(inputs) / "prompts.jsonl")
     return {
@@ -370,6 +430,8 @@ def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any
         "mismatch": _mismatch(rank),
         "resume": _resume(rank, folder, policy, prompts),
         "mamba": _mamba(rank, folder, str(Path(inputs) / "mamba"), prompts),
+        "generators": _generator_ranks(rank, folder, policy, prompts),
+        "one_update": _one_update(rank, folder, policy, prompts),
     }
 
 
@@ -577,6 +639,67 @@ def test_a_mamba_policy_samples_what_the_trainer_scores_and_a_cache_that_does_no
     assert results[0]["mamba"]["refused"] == results[1]["mamba"]["refused"]  # the largest over the ranks, on both
 
 
+def _union(parts: List[Dict[str, Any]]) -> Rollout:
+    """The ranks' rollouts as one batch: each left-padded to the longest prompt, right-padded to the longest row
+    (positions come from the attention mask: the same tokens at the same positions)."""
+    prompt_len = max(part["prompt_len"] for part in parts)
+    names = ("input_ids", "attention_mask", "completion_mask")
+    rows = [{k: F.pad(part[k], (prompt_len - part["prompt_len"], 0)) for k in names} for part in parts]
+    width = max(row["input_ids"].shape[1] for row in rows)
+    merged = {k: torch.cat([F.pad(row[k], (0, width - row[k].shape[1])) for row in rows]) for k in names}
+    zeros = torch.zeros(merged["input_ids"].shape)
+    return Rollout(merged["input_ids"], merged["attention_mask"], merged["completion_mask"], zeros, prompt_len)
+
+
+def test_the_recipes_update_on_a_fixed_rollout_equals_a_plain_loops(results: list, inputs: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.rl_learning import plain_update
+
+    rollout = _union([results[rank]["one_update"]["rollout"] for rank in range(WORLD)])
+    rewards = torch.cat([results[rank]["one_update"]["rewards"] for rank in range(WORLD)])
+    model = AutoModelForCausalLM.from_pretrained(str(inputs / "policy"), dtype=torch.float32)
+    # the recipe's AdamW: lr 0.01 (warm-up 1 step: the peak at step 0), betas, weight decay 0.01; the clip at 1.0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.9, 0.95), weight_decay=0.01)
+    grads: Dict[str, torch.Tensor] = {}
+    optimizer.register_step_pre_hook(lambda *_: grads.update({n: p.grad.clone() for n, p in model.named_parameters()}))
+    plain_update(model, optimizer, rollout, rewards, 4, 6, 1.0, vocab=256)  # the byte tokenizer's ids
+    recipe, recipe_grads = results[0]["one_update"]["params"], results[0]["one_update"]["grads"]
+    assert recipe.keys() == dict(model.named_parameters()).keys() == recipe_grads.keys()
+    for name, param in model.named_parameters():
+        # the clipped gradient AdamW receives: GRPO's loss over both ranks' rollouts, the clip over every shard
+        torch.testing.assert_close(recipe_grads[name], grads[name], rtol=1e-5, atol=1e-5 * grads[name].abs().max())
+        # AdamW's first step is lr x g / (|g| + eps), +-lr wherever |g| >> eps: an element whose g is within the
+        # gradients' rounding of 0 may take either sign. Every other element (and one without a gradient: weight
+        # decay alone) to 1e-5
+        scale = grads[name].abs().max()
+        resolved = (grads[name].abs() > 1e-4 * scale) | (grads[name] == 0)
+        assert resolved.float().mean() > 0.9, name  # nearly every element is compared
+        torch.testing.assert_close(recipe[name][resolved], param.detach()[resolved], rtol=1e-5, atol=1e-5, msg=name)
+    assert rewards.min() < rewards.max()  # some advantage to follow: the update is not weight decay alone
+
+
+def test_a_generator_rank_samples_the_trainers_tokens_with_the_weights_of_each_step(results: list) -> None:
+    for rank in range(WORLD):
+        gathered, ranks = results[rank]["generators"]["gathered"], results[rank]["generators"]["ranks"]
+        # fp32: the same tokens as sampling on the trainers (the same rewards and lengths, step by step)
+        assert ranks["train_reward"] == gathered["train_reward"] and len(ranks["train_reward"]) == 3
+        assert ranks["completion_length"] == gathered["completion_length"]
+        torch.testing.assert_close(ranks["train_loss"], gathered["train_loss"], rtol=1e-5, atol=1e-7)
+        # mu = pi_old = pi_theta to 1e-5 on the generator's rollouts: nothing rejected, nothing clipped
+        assert ranks["is_masked_fraction"] == [0.0, 0.0, 0.0] and ranks["clip_fraction"] == [0.0, 0.0, 0.0]
+        assert ranks["rollout_version"] == [0.0, 1.0, 2.0]  # sampled with the weights after 0, 1, 2 steps
+
+
+def test_one_step_stale_rollouts_are_sampled_with_the_previous_steps_weights_and_corrected(results: list) -> None:
+    for rank in range(WORLD):
+        stale = results[rank]["generators"]["stale"]
+        assert stale["rollout_version"] == [0.0, 0.0, 1.0]  # step k's rollout: step k-1's weights (step 0: its own)
+        assert len(stale["is_weight_mean"]) == 3 and all(0 < w <= 2 for w in stale["is_weight_mean"])
+        assert stale["logprob_mismatch"][1] > stale["logprob_mismatch"][0]  # a step's update between the two
+        assert "val_reward" in stale  # the held-out evaluation ran on the trainers
+
+
 def test_lora_with_its_base_as_reference_composes_with_checkpointing_the_monitor_and_bf16_updates(
     results: list,
 ) -> None:
@@ -682,3 +805,40 @@ def test_too_few_prompts_for_the_ranks_and_prompts_too_long_for_the_rows_are_ref
     message = _refusal(inputs, "data.seq_len=20")
     assert f"data: the longest prompt has {longest} tokens, and with rl.max_new_tokens=6 a rollout is longer" in message
     assert f"raise data.seq_len to {longest + 6} or shorten prompts" in message
+
+
+RANKS = ("rl.generation=ranks", "rl.generator_ranks=1")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rl.generation=ranks"], "rl.generation=ranks samples on generator processes: set rl.generator_ranks"),
+        (["rl.generator_ranks=1"], "rl.generator_ranks=1 needs rl.generation=ranks"),
+        (["rl.generation=ranks", "rl.generator_ranks=3"], "rl.generator_ranks=3 with 2 trainer ranks"),
+        ([*RANKS, "rl.max_staleness=2"], r"rl.max_staleness=2: 0 \(synchronous\) or 1 \(one step stale\)"),
+        (["rl.max_staleness=1"], "rl.max_staleness=1 samples the next rollout while the trainers train"),
+        ([*RANKS, "rl.sync_bucket_mb=0"], r"rl.sync_bucket_mb=0.0 must be > 0"),
+        (
+            [*RANKS, "strategy.parallelism.tensor_parallel_size=2"],
+            "rl.generation=ranks with strategy.parallelism.tensor_parallel_size=2 is not supported yet",
+        ),
+        (
+            [*RANKS, "trainer.devices=4", "strategy.parallelism.expert_parallel_size=2"],
+            "rl.generation=ranks with strategy.parallelism.expert_parallel_size=2 is not supported yet",
+        ),
+        (
+            [*RANKS, "strategy.parallelism.pipeline_parallel_size=2"],
+            "rl.generation=ranks with strategy.parallelism.pipeline_parallel_size=2 is not supported yet",
+        ),
+        (
+            [*RANKS, "peft.enabled=true", "strategy.memory.quantize_base=nf4"],
+            "rl.generation=ranks with strategy.memory.quantize_base='nf4' is not supported yet",
+        ),
+        ([*RANKS, "trainer.num_nodes=2"], "rl.generation=ranks with trainer.num_nodes=2 is not supported yet"),
+    ],
+)
+def test_generator_ranks_that_cannot_run_are_refused_before_launch(
+    inputs: Path, overrides: List[str], message: str
+) -> None:
+    assert re.search(message, _refusal(inputs, *overrides))

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_mixedfsdp.recipes.data.chat import ROLES
 from lightning_mixedfsdp.recipes.data.sft import MAX_LISTED, ExampleMaker, read_records, split_size_problems
-from lightning_mixedfsdp.recipes.data.text import SizedDataset, TextCorpus, make_tokenizer
+from lightning_mixedfsdp.recipes.data.text import SizedDataset, StreamOrder, TextCorpus, make_tokenizer
 from lightning_mixedfsdp.recipes.settings.schema import DataSection
 
 PROMPTS = "prompts"
@@ -163,3 +163,12 @@ class PromptCorpus(TextCorpus):
         self.train_set = PromptSet(splits.train)
         self.val_set = PromptSet(splits.held_out, self.data.val_windows)
         rank_zero_info(f"data: prompts, {len(splits.train)} training and {len(splits.held_out)} held-out prompts")
+
+    def step_indices(self, micro_batch: int) -> List[int]:
+        """This rank's training prompts of ``micro_batch`` (one a step), as indices into the training set: what the
+        training stream hands it (``StreamSampler``), known ahead of the step (the next rollout, sampled early)."""
+        assert self.train_set is not None
+        ranks, rank = self._data_parallel()
+        order = StreamOrder(len(self.train_set), self.seed)
+        first = (micro_batch * ranks + rank) * self.data.batch_size
+        return [order(position) for position in range(first, first + self.data.batch_size)]

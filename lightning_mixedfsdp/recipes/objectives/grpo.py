@@ -74,6 +74,7 @@ from lightning_mixedfsdp.recipes.rl.corrections import (
     mismatch_logs,
 )
 from lightning_mixedfsdp.recipes.rl.generation import GENERATIONS, generate
+from lightning_mixedfsdp.recipes.rl.generator_ranks import GeneratorRanks
 from lightning_mixedfsdp.recipes.rl.losses import LOSSES, LossSettings, grpo_loss
 from lightning_mixedfsdp.recipes.rl.rewards import (
     EXACT_MATCH,
@@ -244,10 +245,15 @@ class GroupRelativePolicyOptimization(Objective):
         peft: Optional[PeftSection] = None,
         rl: Optional[RlSection] = None,
         seed: int = 0,
+        recipe: Optional[Recipe] = None,
     ) -> None:
         super().__init__(model, schedule, peft)
         self.rl = rl or RlSection()
         self.seed = seed
+        self.generators: Optional[GeneratorRanks] = None
+        if self.rl.generation == "ranks":
+            assert recipe is not None  # from_recipe passes it
+            self.generators = GeneratorRanks(self.rl.generator_ranks, recipe, int(self.rl.sync_bucket_mb * 2**20))
         self.rewards = load_rewards(self.rl.reward)
         self.reference_kind = rl_reference_kind(self.rl, self.peft.enabled)
         self.reference: Optional[nn.Module] = None
@@ -300,7 +306,7 @@ class GroupRelativePolicyOptimization(Objective):
     @override
     @classmethod
     def recipe_settings(cls, recipe: Recipe) -> Dict[str, Any]:
-        return {"rl": recipe.rl, "seed": recipe.trainer.seed}
+        return {"rl": recipe.rl, "seed": recipe.trainer.seed, "recipe": recipe}
 
     # -- the models
 
@@ -316,6 +322,13 @@ class GroupRelativePolicyOptimization(Objective):
         if self.reference_kind == COPY:
             assert self.reference is not None
             load_full_weights(self.reference, starting_weights(self.model_section))
+        if self.generators is not None:
+            self.generators.start()
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self.generators is not None:
+            self.generators.close()
 
     # -- rollouts
 
@@ -348,12 +361,38 @@ class GroupRelativePolicyOptimization(Objective):
         settings = self.rl
         rank = int(self.trainer.strategy.distributed_sampler_kwargs["rank"])  # type: ignore[attr-defined]
         generator = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + index * 7919 + rank)
-        prompts = [prompt for prompt in batch for _ in range(settings.group_size)]
-        sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
-        rollout = self.complete(prompts, sampling, generator)
-        rewards, means = self.score(prompts, rollout)
+        if self.generators is not None:
+            rollout, rewards, means = self._from_generators(batch, index)
+        else:
+            prompts = [prompt for prompt in batch for _ in range(settings.group_size)]
+            sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
+            rollout = self.complete(prompts, sampling, generator)
+            rewards, means = self.score(prompts, rollout)
         self.rollout, self.rollout_rewards, self.rollout_index, self.first_update = rollout, rewards, index, True
         log_rollout(self, rollout, rewards, means)
+
+    def _from_generators(self, batch: List[Prompt], index: int) -> Tuple[Rollout, Tensor, Dict[str, float]]:
+        """Rollout ``index`` from the generator ranks: asked for now with the current weights unless asked for a
+        step early (``rl.max_staleness: 1``), which then asks for the next one before training on this one."""
+        link, model, every = self.generators, self.model, self.rl.updates_per_rollout
+        assert link is not None and model is not None
+        keep_fp32 = set(self.trainer.strategy.plan_of(model).fp32_names)  # type: ignore[attr-defined]
+        corpus, step = self._corpus(), self.global_step
+        if link.pending != index:  # the step's own prompts (a resume inside a rollout's updates samples afresh)
+            link.sync(model, keep_fp32, step, self.rl.verify_sync)
+            link.request(index, step, corpus.step_indices(step), self.seed)
+        produced = link.receive(self.device)
+        asked = [corpus.train_set[i] for i in corpus.step_indices(step)]  # type: ignore[index]  # set up
+        if [(p.text, p.ids) for p in batch] != [(p.text, p.ids) for p in asked]:  # (Lightning copies a batch)
+            raise RuntimeError(  # the stream and the generators' prompts must be the same: never train on others
+                f"GroupRelativePolicyOptimization: step {step}'s prompts are not those the generator"
+                " ranks were asked for; report this with the recipe"
+            )
+        if self.rl.max_staleness == 1 and (index + 1) * every < self.trainer.max_steps:
+            link.sync(model, keep_fp32, step, self.rl.verify_sync)
+            link.request(index + 1, step, corpus.step_indices((index + 1) * every), self.seed)
+        self.log("rollout_version", float(produced.version), sync_dist=True)
+        return produced.rollout, produced.rewards, produced.means
 
     # -- the loss
 
@@ -414,7 +453,8 @@ class GroupRelativePolicyOptimization(Objective):
 
 def grpo_problems(recipe: Recipe) -> List[str]:
     """What GRPO needs of the recipe, all at once, each with its fix."""
-    return [*rl_setting_problems(recipe.rl), *reference_problems(recipe), *grpo_composition_problems(recipe)]
+    return [*rl_setting_problems(recipe.rl), *reference_problems(recipe), *grpo_composition_problems(recipe),
+            *generator_rank_problems(recipe)]  # fmt: skip
 
 
 def rl_setting_problems(settings: RlSection) -> List[str]:
@@ -498,3 +538,53 @@ def grpo_composition_problems(recipe: Recipe) -> List[str]:
             " set it to every_step"
         )
     return problems
+
+
+def generator_rank_problems(recipe: Recipe) -> List[str]:
+    """``rl.generation: ranks`` and what it needs: the generator count, staleness, buckets; what it does not compose
+    with yet."""
+    settings, problems = recipe.rl, []
+    count, ranks_mode, trainers = settings.generator_ranks, settings.generation == "ranks", recipe.world_size
+    if ranks_mode and count < 1:
+        problems.append("rl.generation=ranks samples on generator processes: set rl.generator_ranks (1 or more)")
+    if count and not ranks_mode:
+        problems.append(f"rl.generator_ranks={count} needs rl.generation=ranks (or set rl.generator_ranks=0)")
+    if ranks_mode and count > trainers:
+        problems.append(
+            f"rl.generator_ranks={count} with {trainers} trainer ranks (trainer.devices x trainer.num_nodes): each"
+            f" generator samples whole trainer ranks' rollouts; use at most {trainers}"
+        )
+    if settings.max_staleness not in (0, 1):
+        problems.append(f"rl.max_staleness={settings.max_staleness}: 0 (synchronous) or 1 (one step stale)")
+    elif settings.max_staleness == 1 and not ranks_mode:
+        problems.append(
+            "rl.max_staleness=1 samples the next rollout while the trainers train, on generator ranks: set"
+            " rl.generation=ranks and rl.generator_ranks, or rl.max_staleness=0"
+        )
+    if not settings.sync_bucket_mb > 0:
+        problems.append(f"rl.sync_bucket_mb={settings.sync_bucket_mb} must be > 0 (e.g. 64)")
+    if ranks_mode:
+        problems += [f"rl.generation=ranks with {what} is not supported yet ({why})" for what, why in
+                     generator_rank_compositions(recipe)]  # fmt: skip
+    return problems
+
+
+def generator_rank_compositions(recipe: Recipe) -> List[Tuple[str, str]]:
+    """What generator ranks do not take yet, each with why."""
+    parallelism, found = recipe.strategy.parallelism, []
+    whole = "a generator holds the policy whole on one device; set it to 1"
+    for name, size in (
+        ("tensor", parallelism.tensor_parallel_size),
+        ("expert", parallelism.expert_parallel_size),
+        ("pipeline", parallelism.pipeline_parallel_size),
+    ):
+        if isinstance(size, int) and size > 1:
+            found.append((f"strategy.parallelism.{name}_parallel_size={size}", whole))
+    quantized = recipe.strategy.memory.quantize_base
+    if quantized is not None:
+        why = "a generator would need the 4-bit base and the adapters; set rl.generation=gathered"
+        found.append((f"strategy.memory.quantize_base={quantized!r}", why))
+    if recipe.trainer.num_nodes > 1:
+        why = "the generators start beside trainer rank 0, on its node; train on one node"
+        found.append((f"trainer.num_nodes={recipe.trainer.num_nodes}", why))
+    return found

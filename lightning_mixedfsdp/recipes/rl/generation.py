@@ -13,7 +13,8 @@ from torch import nn
 from lightning_mixedfsdp.apply.gathered import gathered_params
 from lightning_mixedfsdp.recipes.rl.rollouts import Rollout, Sampling, sample
 
-GENERATIONS = ("gathered", "sharded")
+GENERATIONS = ("gathered", "sharded", "ranks")
+"""``ranks`` decodes in the generator processes (``generator_ranks.py``); the trainers' own decoding is gathered."""
 
 
 def every_rank_ended(mine: bool, device: torch.device) -> bool:
@@ -37,7 +38,8 @@ def generate(
 ) -> Rollout:
     """``prompts``' completions from ``model`` (``root``: the module FSDP's root is in) in generation ``mode``."""
     launched = dist.is_available() and dist.is_initialized()
-    holding: ContextManager[None] = gathered_params(root, model) if mode == "gathered" else nullcontext()
+    gathered = mode in ("gathered", "ranks")  # a trainer of generator ranks evaluates gathered
+    holding: ContextManager[None] = gathered_params(root, model) if gathered else nullcontext()
     device = next(model.parameters()).device
     all_ended = (lambda mine: every_rank_ended(mine, device)) if mode == "sharded" and launched else None
     with holding:

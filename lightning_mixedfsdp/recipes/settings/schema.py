@@ -250,8 +250,20 @@ class RlSection:
     embedding is added to ``strategy.dtypes.fp32_compute_modules``. False: the head computes in the bulk dtype."""
     generation: str = "gathered"
     """How rollouts decode: ``gathered`` (each unit all-gathered once per rollout and held until it ends: faster,
-    the whole model's params in the compute dtype on every rank) or ``sharded`` (FSDP's all-gathers at every
-    decoding step: the memory of training)."""
+    the whole model's params in the compute dtype on every rank), ``sharded`` (FSDP's all-gathers at every
+    decoding step: the memory of training) or ``ranks`` (on ``generator_ranks`` processes of their own, fed the
+    weights after every optimizer step; held-out evaluation stays on the trainers, gathered)."""
+    generator_ranks: int = 0
+    """With ``generation: ranks``: the generator processes started beside the trainers (``trainer.devices`` counts
+    the trainers); each holds the policy whole and serves whole trainer ranks' rollouts (1 to the trainers' count)."""
+    max_staleness: int = 0
+    """``0``: each rollout is sampled with the current weights; ``1`` (generator ranks): the next rollout is sampled
+    while the trainers train on this one, with the weights one step older."""
+    sync_bucket_mb: float = 64.0
+    """The weights travel to the generator ranks in buckets of this many MiB (a larger tensor alone)."""
+    verify_sync: bool = False
+    """After every weight sync each generator hashes its params (SHA-256 of their bytes) and trainer rank 0 compares
+    the hash with what it sent; a difference raises on every trainer rank. Costs a pass over the weights on both."""
     correction: str = "none"
     """The off-policy correction of every rollout (``rl/corrections.py``): ``none`` (PPO's ratio against the
     generator's log-probs), ``tis`` (the trainer's over the generator's probability, truncated into the bounds),
