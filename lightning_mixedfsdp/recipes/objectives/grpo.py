@@ -47,9 +47,7 @@ from typing_extensions import override
 from lightning_mixedfsdp.checkpoint.load import load_full_weights
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.model.names import is_peft_model, user_class_name
-from lightning_mixedfsdp.recipes.data.chat import cut_at_end_of_turn
 from lightning_mixedfsdp.recipes.data.prompts import PROMPTS, Prompt, PromptCorpus, prompts_problems
-from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
 from lightning_mixedfsdp.recipes.data.text import TextCorpus
 from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama
 from lightning_mixedfsdp.recipes.objectives.frozen import (
@@ -65,6 +63,7 @@ from lightning_mixedfsdp.recipes.objectives.objective import (
     before_after,
     build_model,
 )
+from lightning_mixedfsdp.recipes.objectives.rollout_source import RolloutSource
 from lightning_mixedfsdp.recipes.rl.corrections import (
     Correction,
     Weights,
@@ -73,22 +72,19 @@ from lightning_mixedfsdp.recipes.rl.corrections import (
     importance_weights,
     mismatch_logs,
 )
-from lightning_mixedfsdp.recipes.rl.generation import GENERATIONS, generate
+from lightning_mixedfsdp.recipes.rl.generation import GENERATIONS
 from lightning_mixedfsdp.recipes.rl.generator_ranks import GeneratorRanks
 from lightning_mixedfsdp.recipes.rl.losses import LOSSES, LossSettings, grpo_loss
 from lightning_mixedfsdp.recipes.rl.rewards import (
     EXACT_MATCH,
-    Reward,
     load_rewards,
     reward_problems,
     reward_specs,
-    scored_on_every_rank,
 )
 from lightning_mixedfsdp.recipes.rl.rollouts import (
     Rollout,
     Sampling,
     completion_log_probs,
-    completions_text,
     log_prob_mismatch,
 )
 from lightning_mixedfsdp.recipes.settings.schema import ModelSection, PeftSection, Recipe, RlSection
@@ -126,15 +122,6 @@ def needed_fields(settings: RlSection) -> Tuple[str, ...]:
 def starting_weights(model: ModelSection) -> str:
     assert model.pretrained is not None  # checked before launch
     return model.pretrained
-
-
-def score_completions(
-    rewards: List[Reward], maker: ExampleMaker, prompts: List[Prompt], rollout: Rollout
-) -> Tuple[List[float], Dict[str, float]]:
-    """The rewards of ``rollout``'s completions, decoded with their end marker cut, on every rank."""
-    texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
-    records, device = [p.record for p in prompts], rollout.input_ids.device
-    return scored_on_every_rank(rewards, [p.text for p in prompts], texts, records, device)
 
 
 def loss_settings(settings: RlSection) -> LossSettings:
@@ -206,14 +193,6 @@ def check_first_mismatch(mismatch: Tensor, settings: RlSection, precision: str, 
     return True
 
 
-def log_rollout(objective: Objective, rollout: Rollout, rewards: Tensor, means: Dict[str, float]) -> None:
-    """A new rollout's ``train_reward`` (and each reward's), its ``completion_length``."""
-    objective.log("train_reward", rewards.mean(), prog_bar=True, sync_dist=True)
-    for name, mean in means.items():
-        objective.log(f"train_reward_{name}", mean, sync_dist=True)
-    objective.log("completion_length", rollout.completion_lengths.float().mean(), sync_dist=True)
-
-
 def log_generator_mismatch(
     objective: Objective, trained: Tensor, generated: Tensor, mask: Tensor, correction: Correction, weights: Weights
 ) -> Tensor:
@@ -231,7 +210,7 @@ def log_generator_mismatch(
     return mismatch
 
 
-class GroupRelativePolicyOptimization(Objective):
+class GroupRelativePolicyOptimization(RolloutSource):
     """The policy, its optional reference, and the rollout in use (see the module's docstring)."""
 
     formats: ClassVar[Tuple[str, ...]] = (PROMPTS,)
@@ -253,7 +232,8 @@ class GroupRelativePolicyOptimization(Objective):
         self.generators: Optional[GeneratorRanks] = None
         if self.rl.generation == "ranks":
             assert recipe is not None  # from_recipe passes it
-            self.generators = GeneratorRanks(self.rl.generator_ranks, recipe, int(self.rl.sync_bucket_mb * 2**20))
+            bucket = int(self.rl.sync_bucket_mb * 2**20)
+            self.generators = GeneratorRanks(self.rl.generator_ranks, recipe, bucket, self.rl.verify_sync)
         self.rewards = load_rewards(self.rl.reward)
         self.reference_kind = rl_reference_kind(self.rl, self.peft.enabled)
         self.reference: Optional[nn.Module] = None
@@ -329,70 +309,6 @@ class GroupRelativePolicyOptimization(Objective):
     def teardown(self, stage: str) -> None:
         if self.generators is not None:
             self.generators.close()
-
-    # -- rollouts
-
-    def _corpus(self) -> PromptCorpus:
-        return self.trainer.datamodule  # type: ignore[attr-defined]  # data() made it
-
-    def _vocab(self) -> int:
-        """The tokenizer's ids: what is sampled and scored (a wider embedding's extra rows never)."""
-        return int(self._corpus().tokenizer.vocab_size)
-
-    def complete(self, prompts: List[Prompt], sampling: Sampling, generator: Optional[torch.Generator]) -> Rollout:
-        """Completions of ``prompts`` (each repeated as the caller wants it) from the current policy."""
-        assert self.model is not None
-        maker, ids = self._corpus().maker, [p.ids for p in prompts]
-        return generate(
-            self.model, self, ids, sampling, maker.end, maker.pad, self.rl.generation, generator, self._vocab()
-        )
-
-    def score(self, prompts: List[Prompt], rollout: Rollout) -> Tuple[Tensor, Dict[str, float]]:
-        """The rewards of ``rollout``'s completions and each reward's mean."""
-        total, means = score_completions(self.rewards, self._corpus().maker, prompts, rollout)
-        return torch.tensor(total, device=self.device), means
-
-    def _rollout_for(self, batch: List[Prompt]) -> None:
-        """The step's rollout: sampled anew at every ``updates_per_rollout``-th step (and at a resume), scored."""
-        index = self.global_step // self.rl.updates_per_rollout
-        if index == self.rollout_index and self.rollout is not None:
-            self.first_update = False
-            return
-        settings = self.rl
-        rank = int(self.trainer.strategy.distributed_sampler_kwargs["rank"])  # type: ignore[attr-defined]
-        generator = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + index * 7919 + rank)
-        if self.generators is not None:
-            rollout, rewards, means = self._from_generators(batch, index)
-        else:
-            prompts = [prompt for prompt in batch for _ in range(settings.group_size)]
-            sampling = Sampling(settings.max_new_tokens, settings.temperature, settings.top_p)
-            rollout = self.complete(prompts, sampling, generator)
-            rewards, means = self.score(prompts, rollout)
-        self.rollout, self.rollout_rewards, self.rollout_index, self.first_update = rollout, rewards, index, True
-        log_rollout(self, rollout, rewards, means)
-
-    def _from_generators(self, batch: List[Prompt], index: int) -> Tuple[Rollout, Tensor, Dict[str, float]]:
-        """Rollout ``index`` from the generator ranks: asked for now with the current weights unless asked for a
-        step early (``rl.max_staleness: 1``), which then asks for the next one before training on this one."""
-        link, model, every = self.generators, self.model, self.rl.updates_per_rollout
-        assert link is not None and model is not None
-        keep_fp32 = set(self.trainer.strategy.plan_of(model).fp32_names)  # type: ignore[attr-defined]
-        corpus, step = self._corpus(), self.global_step
-        if link.pending != index:  # the step's own prompts (a resume inside a rollout's updates samples afresh)
-            link.sync(model, keep_fp32, step, self.rl.verify_sync)
-            link.request(index, step, corpus.step_indices(step), self.seed)
-        produced = link.receive(self.device)
-        asked = [corpus.train_set[i] for i in corpus.step_indices(step)]  # type: ignore[index]  # set up
-        if [(p.text, p.ids) for p in batch] != [(p.text, p.ids) for p in asked]:  # (Lightning copies a batch)
-            raise RuntimeError(  # the stream and the generators' prompts must be the same: never train on others
-                f"GroupRelativePolicyOptimization: step {step}'s prompts are not those the generator"
-                " ranks were asked for; report this with the recipe"
-            )
-        if self.rl.max_staleness == 1 and (index + 1) * every < self.trainer.max_steps:
-            link.sync(model, keep_fp32, step, self.rl.verify_sync)
-            link.request(index + 1, step, corpus.step_indices((index + 1) * every), self.seed)
-        self.log("rollout_version", float(produced.version), sync_dist=True)
-        return produced.rollout, produced.rewards, produced.means
 
     # -- the loss
 

@@ -55,8 +55,9 @@ def seed_of(seed: int, index: int, rank: int) -> int:
 class GeneratorRanks:
     """The trainers' handle on the generator processes (every trainer rank holds one; rank 0 talks to them)."""
 
-    def __init__(self, count: int, recipe: Any, bucket_bytes: int, timeout_s: float = 1800.0) -> None:
+    def __init__(self, count: int, recipe: Any, bucket_bytes: int, verify: bool = False, timeout_s: float = 1800.0):
         self.count, self.recipe, self.bucket_bytes, self.timeout_s = count, recipe, bucket_bytes, timeout_s
+        self.verify = verify
         self.processes: List[subprocess.Popen] = []
         self.group: Optional[Any] = None
         self.synced_version = -1
@@ -82,9 +83,26 @@ class GeneratorRanks:
         self.group = standalone_gloo_group(store, 0, 1 + self.count, self.timeout_s)
         self._store = store
 
-    def sync(self, model: nn.Module, keep_fp32: Collection[str], version: int, verify: bool = False) -> None:
+    def rollout(
+        self, model: nn.Module, keep_fp32: Collection[str], index: int, step: int, prompts: List[int],
+        upcoming: Optional[List[int]], seed: int, device: torch.device,
+    ) -> Produced:  # fmt: skip
+        """This trainer rank's part of rollout ``index`` (``prompts``: its prompts' indices), asked for now with the
+        weights of ``step`` unless it was asked for a step early; ``upcoming`` (one step stale): the next rollout's
+        prompts, asked for before returning, with the same weights."""
+        if self.pending != index:
+            self.sync(model, keep_fp32, step)
+            self.request(index, step, prompts, seed)
+        produced = self.receive(device)
+        if upcoming is not None:
+            self.sync(model, keep_fp32, step)
+            self.request(index + 1, step, upcoming, seed)
+        return produced
+
+    def sync(self, model: nn.Module, keep_fp32: Collection[str], version: int) -> None:
         """Stream ``model``'s weights (version ``version``) to the generators, unless they hold that version; with
         ``verify``, compare the generators' hashes of their params with the hash of what was sent."""
+        verify = self.verify
         if version == self.synced_version:
             return
         group = self.group

@@ -11,7 +11,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from lightning_mixedfsdp.recipes.data.chat import cut_at_end_of_turn
+from lightning_mixedfsdp.recipes.rl.rollouts import completions_text
+
+if TYPE_CHECKING:
+    from lightning_mixedfsdp.recipes.data.prompts import Prompt
+    from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
+    from lightning_mixedfsdp.recipes.rl.rollouts import Rollout  # noqa: F401  # (imported above at run time too)
 
 RewardFunction = Callable[[List[str], List[str], List[Dict[str, Any]]], Sequence[float]]
 EXACT_MATCH = "exact_match"
@@ -173,3 +181,12 @@ def scored_on_every_rank(
     if failure is not None:
         raise failure
     return total, {name: sum(values) / len(values) for name, values in each.items()}
+
+
+def score_completions(
+    rewards: List[Reward], maker: "ExampleMaker", prompts: List["Prompt"], rollout: "Rollout"
+) -> Tuple[List[float], Dict[str, float]]:
+    """The rewards of ``rollout``'s completions, decoded with their end marker cut, on every rank."""
+    texts = completions_text(rollout, lambda ids: cut_at_end_of_turn(maker.decode(ids, skip_special_tokens=True)))
+    records, device = [p.record for p in prompts], rollout.input_ids.device
+    return scored_on_every_rank(rewards, [p.text for p in prompts], texts, records, device)

@@ -24,12 +24,12 @@ from lightning_mixedfsdp.model.names import canonical_name, unwrap_model
 from lightning_mixedfsdp.recipes.data.prompts import PROMPTS, Prompt, read_prompts
 from lightning_mixedfsdp.recipes.data.sft import ExampleMaker
 from lightning_mixedfsdp.recipes.data.text import make_tokenizer
-from lightning_mixedfsdp.recipes.objectives.grpo import needed_fields, score_completions
+from lightning_mixedfsdp.recipes.objectives.grpo import needed_fields
 from lightning_mixedfsdp.recipes.objectives.objective import build_model
 from lightning_mixedfsdp.recipes.rl import sync_wire
 from lightning_mixedfsdp.recipes.rl.generation import generate
 from lightning_mixedfsdp.recipes.rl.generator_ranks import seed_of
-from lightning_mixedfsdp.recipes.rl.rewards import load_rewards
+from lightning_mixedfsdp.recipes.rl.rewards import load_rewards, score_completions
 from lightning_mixedfsdp.recipes.rl.rollouts import Sampling
 from lightning_mixedfsdp.recipes.run.runner import strategy_config
 from lightning_mixedfsdp.recipes.settings.schema import PeftSection, Recipe
