@@ -4,7 +4,9 @@
 Every rank walks the same tensors in the same order (each region of a tensor may be a collective, ``gather.py``);
 ``to_rank`` assembles each tensor whole in its target dtype, region by region, into the bucket, and a bucket is
 handed out when the next tensor would not fit in ``bucket_bytes`` (a tensor larger than the bucket travels alone).
-The other ranks hold one region at a time and get empty buckets, the same number. So ``to_rank`` holds at most one
+The other ranks hold one region at a time and get empty buckets, the same number. A bucket is emptied when the
+next one is asked for (``for bucket in ...`` keeps naming the last one while the next is assembled): load it, or copy
+what you keep, before iterating on. So ``to_rank`` holds at most one
 bucket (or the one larger tensor) and one region beyond its shards, every other rank one region: no whole model is
 ever gathered (trl #7131's 64 GiB on rank 0), and no unit is unsharded around another group's sends.
 
@@ -78,7 +80,8 @@ def stream_buckets(
         size = int(torch.Size(pending.shape).numel()) * dtype_sent.itemsize
         if filled and filled + size > bucket_bytes:
             yield bucket
-            bucket, filled = [], 0
+            bucket.clear()  # the caller's loop variable still names it: emptied, its tensors go now
+            filled = 0
         whole = _assembled(pending, dtype_sent, region_bytes, receiving)
         if whole is not None:
             bucket.append((pending.name, whole))

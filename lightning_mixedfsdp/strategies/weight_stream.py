@@ -22,7 +22,8 @@ def stream_weights(
     ``load_weights`` take. Collective: every rank iterates it to the end. ``model`` is what ``fabric.setup``
     returned, or a LightningModule the Trainer set up. ``dtype`` None sends each
     tensor as stored; a dtype casts the bulk, and the plan's keep-fp32 tensors stay fp32. Tied weights go once;
-    LoRA is merged into its base weights (``adapters_only=True``: the adapters alone, under peft's names)."""
+    LoRA is merged into its base weights (``adapters_only=True``: the adapters alone, under peft's names). A bucket
+    is emptied when the next one is asked for: load it (or copy what you keep) before iterating on."""
     strategy = _strategy_of(model)
     if strategy.pipelined:
         raise NotImplementedError(
