@@ -15,6 +15,7 @@ weights. A generator that fails sends its traceback in place of the rollout, and
 import hashlib
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ class GeneratorRanks:
         self.synced_version = -1
         self.pending: Optional[int] = None
         self.layout_sent = False
+        self.folder: Optional[Path] = None
 
     @property
     def bridge(self) -> bool:
@@ -73,7 +75,8 @@ class GeneratorRanks:
         if not self.bridge:
             return
         store = rendezvous_store("127.0.0.1", 0, 1 + self.count, True, self.timeout_s)
-        recipe_file = Path(tempfile.mkdtemp(prefix="generator_ranks_")) / "recipe.pkl"
+        self.folder = Path(tempfile.mkdtemp(prefix="generator_ranks_"))  # removed at close
+        recipe_file = self.folder / "recipe.pkl"
         recipe_file.write_bytes(pickle.dumps(self.recipe))
         environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVIRONMENT}
         for rank in range(1, 1 + self.count):
@@ -177,3 +180,6 @@ class GeneratorRanks:
             except subprocess.TimeoutExpired:
                 process.kill()
         self.processes, self.group = [], None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
