@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tests.conftest import Launch
+from tests.hf_models import tiny_model
 from tests.scenarios import make_fabric, train_hf_steps, unwrap
 
 WORLD = 2
@@ -24,14 +25,7 @@ TINY_BUCKET = 4_000
 
 
 def _llama(tie: bool = False, seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    return tiny_model("llama", seed, vocab_size=VOCAB, tie_word_embeddings=tie)  # 32 wide, 2 layers
 
 
 def _tokens() -> torch.Tensor:

@@ -18,6 +18,7 @@ from lightning_mixedfsdp.recipes.rl.corrections import (
 from lightning_mixedfsdp.recipes.rl.losses import LossSettings, grpo_loss
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
+from tests.recipes.grpo_formula import written_advantages
 
 GROUP, ROWS, LENGTH, MAX_NEW, CLIP = 4, 8, 9, 7, 0.2
 KINDS = ("tis", "mis", "icepop")
@@ -57,26 +58,19 @@ def formula(
     """GRPO's loss with the correction, token by token: the rejected tokens are not terms and not counted."""
     theta, old, mu, mask, rewards = data["theta"], data["old"], data["mu"], data["mask"], data["rewards"]
     per_row, every_term = [], []
-    for first in range(0, ROWS, GROUP):
-        group = [float(r) for r in rewards[first : first + GROUP]]
-        mean = sum(group) / GROUP
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (GROUP - 1))
-        for row in range(first, first + GROUP):
-            advantage = group[row - first] - mean
-            if loss != "dr_grpo":
-                advantage /= std + 1e-4
-            steps = [t for t in range(LENGTH) if mask[row, t]]
-            ratios = [math.exp(float(old[row, t] - mu[row, t])) for t in steps]
-            terms = []
-            for i, t in enumerate(steps):
-                weight = _weight(kind, level, low, high, ratios, i)
-                if weight == 0.0 and kind != "tis":
-                    continue  # rejected: no term, and not counted
-                ratio = torch.exp(theta[row, t] - old[row, t])
-                clipped = ratio.clamp(1 - CLIP, 1 + CLIP)
-                terms.append(-weight * torch.minimum(ratio * advantage, clipped * advantage))
-            every_term += terms
-            per_row.append(torch.stack(terms).sum() / len(terms) if terms else theta.sum() * 0)
+    for row, advantage in enumerate(written_advantages(rewards, GROUP, scaled=loss != "dr_grpo")):
+        steps = [t for t in range(LENGTH) if mask[row, t]]
+        ratios = [math.exp(float(old[row, t] - mu[row, t])) for t in steps]
+        terms = []
+        for i, t in enumerate(steps):
+            weight = _weight(kind, level, low, high, ratios, i)
+            if weight == 0.0 and kind != "tis":
+                continue  # rejected: no term, and not counted
+            ratio = torch.exp(theta[row, t] - old[row, t])
+            clipped = ratio.clamp(1 - CLIP, 1 + CLIP)
+            terms.append(-weight * torch.minimum(ratio * advantage, clipped * advantage))
+        every_term += terms
+        per_row.append(torch.stack(terms).sum() / len(terms) if terms else theta.sum() * 0)
     if loss == "grpo":
         return torch.stack(per_row).mean()
     if loss == "dr_grpo":

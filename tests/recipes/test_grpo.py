@@ -29,6 +29,7 @@ from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.conftest import Launch
 from tests.recipes.exports import assert_the_export_states_its_dtype
+from tests.recipes.grpo_formula import written_advantages
 from tests.recipes.second_model import TEACHER_VOCAB, make_llama_folder
 from tests.scenarios import full_grads, make_fabric
 
@@ -98,24 +99,17 @@ def formula(
     rows = log_probs.shape[0]
     per_row: List[torch.Tensor] = []
     token_terms: List[torch.Tensor] = []
-    for first in range(0, rows, GROUP):
-        group = [float(r) for r in rewards[first : first + GROUP]]
-        mean = sum(group) / GROUP
-        std = math.sqrt(sum((r - mean) ** 2 for r in group) / (GROUP - 1))
-        for row in range(first, first + GROUP):
-            advantage = group[row - first] - mean
-            if kind != "dr_grpo":
-                advantage /= std + 1e-4
-            terms = []
-            for t in range(LENGTH):
-                if completion[row, t]:
-                    ratio = torch.exp(log_probs[row, t] - old[row, t])
-                    clipped = ratio.clamp(1 - CLIP, 1 + CLIP_HIGH)
-                    term = -torch.minimum(ratio * advantage, clipped * advantage)
-                    gap = reference[row, t] - log_probs[row, t]
-                    terms.append(term + beta * (torch.exp(gap) - gap - 1))
-            token_terms += terms
-            per_row.append(torch.stack(terms).sum() / len(terms))
+    for row, advantage in enumerate(written_advantages(rewards, GROUP, scaled=kind != "dr_grpo")):
+        terms = []
+        for t in range(LENGTH):
+            if completion[row, t]:
+                ratio = torch.exp(log_probs[row, t] - old[row, t])
+                clipped = ratio.clamp(1 - CLIP, 1 + CLIP_HIGH)
+                term = -torch.minimum(ratio * advantage, clipped * advantage)
+                gap = reference[row, t] - log_probs[row, t]
+                terms.append(term + beta * (torch.exp(gap) - gap - 1))
+        token_terms += terms
+        per_row.append(torch.stack(terms).sum() / len(terms))
     if kind == "grpo":
         return torch.stack(per_row).mean()
     if kind == "dr_grpo":
