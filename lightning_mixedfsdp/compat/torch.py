@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from torch import Tensor, nn
 
+from lightning_mixedfsdp.compat.versions import gone
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -31,7 +33,9 @@ def fsdp_param_groups_of_state(state: Any) -> List[Any]:
     ``_fsdp_param_group``; 2.13 to 2.15 hold a list in ``_fsdp_param_groups``."""
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
-    group = getattr(state, "_fsdp_param_group", None)
+    if not hasattr(state, "_fsdp_param_group"):
+        raise gone("torch", "FSDPState._fsdp_param_groups (2.13+) or ._fsdp_param_group (2.11, 2.12)")
+    group = state._fsdp_param_group
     return [group] if group is not None else []
 
 

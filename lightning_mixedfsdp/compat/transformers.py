@@ -1,7 +1,7 @@
 """Every transformers API the library uses beyond its public model classes (expert parallelism, checkpoint key
 renames, decoding with a cache), each behind one small function.
 
-Checked on transformers 5.23 and 5.24 (``transformers/distributed/expert_parallel.py``, ``parallel_utils.py``,
+Checked on transformers 5.23, 5.24 and 5.25 (``transformers/distributed/expert_parallel.py``, ``parallel_utils.py``,
 ``mixin.py``, ``conversion_mapping.py``, ``core_model_loading.py``). transformers is optional: these import it only
 when called.
 """
@@ -11,6 +11,8 @@ import re
 from typing import Any, Callable, Dict, Optional
 
 from torch import nn
+
+from lightning_mixedfsdp.compat.versions import gone
 
 EXPERTS_STYLE = "ep_dispatch_experts"
 """The EP style of a module whose experts are reached by all-to-all (5.23); its params carry ``grouped_gemm``."""
@@ -62,15 +64,15 @@ def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[
     The renames are read off a shell of the model built on the meta device: transformers skips its mappings for a
     class it takes for custom code, as it takes FSDP's dynamic ``FSDP<Name>`` subclass. Internal
     ``conversion_mapping.get_model_conversion_mapping`` and ``core_model_loading.rename_source_key`` (transformers
-    5.x; 4.x has neither: None)."""
+    5.23 to 5.25; gone: :class:`~lightning_mixedfsdp.compat.versions.UnsupportedVersion`)."""
     import torch
+    from transformers import PreTrainedModel
 
     try:
-        from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:
-        return None
+    except ImportError as err:
+        raise gone("transformers", "conversion_mapping.get_model_conversion_mapping (and core_model_loading)") from err
     if not issubclass(model_class, PreTrainedModel):
         return None
     with torch.device("meta"):
@@ -83,15 +85,31 @@ def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[
     return lambda key: str(rename_source_key(key, renamings, [], prefix, meta)[0])
 
 
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+"""``config.layer_types`` values whose cache holds attention keys and values only. Every other value (5.23 to 5.25:
+``linear_attention`` for Mamba, Mamba-2, Jamba, Qwen3-Next; ``hybrid`` for Falcon-H1; and any type a later release
+adds) marks a layer with a recurrent state."""
+
+
 def decodes_with_cache(model: nn.Module) -> bool:
     """Whether rollouts may decode ``model`` one token at a time with its own cache: a model whose cache holds
-    attention keys and values only. A stateful model (``_is_stateful``, a private class attribute of transformers
-    4.x and 5.23-5.24: Mamba, Mamba-2, and the hybrids Jamba, Falcon-H1, Nemotron-H, Bamba, ...) carries recurrent
-    states whose decoding step needs inputs of the model's own (5.24's Mamba-1 decodes another distribution when the
-    step is given the attention mask: mismatch 0.53 on a random init, Mamba-2 1e-7). Such a model decodes without a
-    cache instead: each step runs the whole sequence, the forward the trainer runs. Asked through a peft wrapper,
-    which forwards attribute reads to the model inside."""
-    return not bool(getattr(model, "_is_stateful", False))
+    attention keys and values only. A stateful model (Mamba, Mamba-2, and the hybrids Jamba, Falcon-H1, Qwen3-Next,
+    ...) carries recurrent states whose decoding step needs inputs of the model's own (5.24's Mamba-1 decodes another
+    distribution when the step is given the attention mask: mismatch 0.53 on a random init, Mamba-2 1e-7). Such a
+    model decodes without a cache instead: each step runs the whole sequence, the forward the trainer runs.
+
+    Read off the public ``config.layer_types`` (the decoder's, for an image-text model), which transformers'
+    ``DynamicCache(config=...)`` builds its cache layers from: every type must be an attention type
+    (:data:`ATTENTION_LAYER_TYPES`); a config without ``layer_types`` is all full attention (Llama). Checked on 5.23,
+    5.24 and 5.25 against the private ``_is_stateful`` those versions (but 5.25) set. An unknown type decodes without
+    a cache: slower, never another distribution. Asked through a peft wrapper, which forwards attribute reads to the
+    model inside."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return True
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = getattr(text_config, "layer_types", None) or ()
+    return all(layer_type in ATTENTION_LAYER_TYPES for layer_type in types)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +121,11 @@ def cache_keyword() -> str:
 
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    return "cache" if "cache" in {f.name for f in fields(CausalLMOutputWithPast)} else "past_key_values"
+    names = {f.name for f in fields(CausalLMOutputWithPast)}
+    for name in ("cache", "past_key_values"):
+        if name in names:
+            return name
+    raise gone("transformers", "CausalLMOutputWithPast.cache (5.24+) or .past_key_values (5.23)")
 
 
 def cached_step(model: nn.Module, input_ids: Any, attention_mask: Any, position_ids: Any, cache: Any) -> Any:
