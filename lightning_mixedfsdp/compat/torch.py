@@ -506,6 +506,26 @@ def finish_fsdp_backward(root: nn.Module) -> None:
     state._root_post_backward_final_callback()
 
 
+def schedule_step_without_outputs(schedule: Any) -> Dict[str, Any]:
+    """The keyword that stops a schedule's last stage from keeping every micro-batch's output and concatenating them
+    at the end of ``step`` (``return_outputs=False``, what torchtitan passes; public, the default True on torch 2.13
+    to 2.15), or none where the installed torch's ``step`` has no such parameter."""
+    import inspect
+
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
+
+
+def reshard_fsdp_tree(root: nn.Module) -> None:
+    """Free every FSDP unit's unsharded params in ``root``'s tree (public ``FSDPModule.reshard``, torch 2.11 to
+    2.15): a forward with ``reshard_after_forward=False`` (pipeline stages) leaves them gathered, and an optimizer step
+    then updates the shards while the next forward would read the stale gathered copy."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def pipeline_schedule_class(name: str) -> Any:
     """torch's schedule class for ``name`` (``"1F1B"`` -> ``Schedule1F1B``; public, checked on torch 2.11 to
     2.15)."""

@@ -24,11 +24,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.apply.applier import AppliedPlan
-from lightning_mixedfsdp.compat.torch import finish_fsdp_backward, pipeline_schedule_class
+from lightning_mixedfsdp.compat.torch import (
+    finish_fsdp_backward,
+    pipeline_schedule_class,
+    reshard_fsdp_tree,
+    schedule_step_without_outputs,
+)
 from lightning_mixedfsdp.planning.stages import Stage
 
 LossFn = Callable[[Any, Any], Tensor]
 LossReduction = Literal["mean", "sum"]
+LOSS_REDUCTIONS = ("mean", "sum")
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.float8_e4m3fn)
 _HEADER = 8  # dtype, ndim, up to 6 sizes
@@ -113,6 +119,7 @@ class PipelineRunner:
                     *(args if self._holds(0) else ()),
                     target=target if self._holds(self.num_stages - 1) else None,
                     losses=losses,
+                    **schedule_step_without_outputs(schedule),  # the losses are all the step returns
                     **kwargs,
                 )
                 finish_fsdp_backward(root)
@@ -149,6 +156,7 @@ class PipelineRunner:
                         total = loss if total is None else total + loss
         finally:
             self.root.train(training)
+            reshard_fsdp_tree(self.root)  # an optimizer step may come next: no stale gathered copy may stay
         if total is not None and reduction == "mean":
             total = total / self.microbatches
         return self._from_last_stage(total)
@@ -195,8 +203,11 @@ class PipelineRunner:
         """Every stage of this rank runs micro-batch 0 forward, in stage order across the ranks, and sends what it
         emits to the next stage's rank: the shapes and dtypes its buffers must have."""
         boundaries: Dict[int, Boundary] = {}
-        with self._running():
-            self._forward_through(first_input, kwargs, None, boundaries)
+        try:
+            with self._running():
+                self._forward_through(first_input, kwargs, None, boundaries)
+        finally:
+            reshard_fsdp_tree(self.root)  # as torch's own shape inference does
         return boundaries
 
     def _forward_through(

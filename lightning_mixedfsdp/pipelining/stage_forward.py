@@ -8,7 +8,7 @@ the stages', chosen by the ``pipeline_stage`` keyword (several stages per rank s
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -75,7 +75,7 @@ def _hf_decoder_stage(model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -
     position_embeddings = decoder.rotary_emb(hidden, position_ids)
     for name in stage.blocks:
         index = int(name.rsplit(".", 1)[-1])
-        hidden = decoder.layers[str(index)](
+        hidden = _block(decoder.layers, index)(
             hidden,
             attention_mask=masks[decoder_layer_type(decoder, index)],
             position_embeddings=position_embeddings,
@@ -84,6 +84,79 @@ def _hf_decoder_stage(model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -
     if stage.last:
         hidden = model.lm_head(decoder.norm(hidden))
     return hidden
+
+
+def _block(blocks: nn.Module, index: int) -> nn.Module:
+    """Block ``index`` of the block list: a ``ModuleDict`` keyed by original index once cut, a ``ModuleList`` before."""
+    return blocks[str(index)] if isinstance(blocks, nn.ModuleDict) else blocks[index]  # type: ignore[index]
+
+
+PROBE_ELEMENTS = 2_000_000_000
+"""Models of more parameter elements than this are not probed at setup (a forward of the whole model on one rank)."""
+PROBE_TOLERANCE = 1e-4
+"""The largest difference, relative to the output's largest magnitude, between the composed stages and the model's
+forward that counts as the same computation (the same modules in the same order agree to the bit; a forward that
+scales, soft-caps or adds anything differs by far more)."""
+
+
+def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> Optional[float]:
+    """Run a probe through ``model``'s own forward and through every stage's forward in order (the model still whole,
+    in eval mode, no grad); the largest difference relative to the forward's largest magnitude. None where no probe
+    can run: params on the meta device, a model larger than :data:`PROBE_ELEMENTS`, a first module that takes
+    neither token ids (``nn.Embedding``) nor features (``nn.Linear``), or an output that holds no tensor."""
+    import torch
+
+    params = list(model.parameters())
+    if not params or any(p.is_meta for p in params) or sum(p.numel() for p in params) > PROBE_ELEMENTS:
+        return None
+    probe = _probe_input(model, layout, params[0].device)
+    if probe is None:
+        return None
+    run = _hf_decoder_stage if layout.family == HF_DECODER else _sequence_stage
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = _output_tensor(model(probe))
+            hidden = probe
+            for stage in stages:
+                hidden = run(model, stage, hidden)
+    except Exception:  # noqa: BLE001  # a probe the model does not take: nothing is known, nothing is claimed
+        return None
+    finally:
+        model.train(training)
+    if expected is None or expected.shape != hidden.shape:
+        return None if expected is None else float("inf")
+    scale = expected.detach().float().abs().max().clamp_min(1e-6)
+    return float((expected.float() - hidden.float()).abs().max() / scale)
+
+
+def _probe_input(model: nn.Module, layout: BlockLayout, device: Any) -> Optional[Tensor]:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    first = model.get_submodule(layout.first[0] if layout.first else layout.blocks[0])
+    if layout.family == HF_DECODER:
+        vocab = int(getattr(model.config, "vocab_size"))  # noqa: B009  # an HF model (the layout says)
+        return torch.randint(0, vocab, (2, 8), generator=generator).to(device)
+    if isinstance(first, nn.Embedding):
+        return torch.randint(0, first.num_embeddings, (2, 8), generator=generator).to(device)
+    if isinstance(first, nn.Linear):
+        dtype = first.weight.dtype
+        return torch.randn(2, 8, first.in_features, generator=generator).to(device=device, dtype=dtype)
+    return None
+
+
+def _output_tensor(output: Any) -> Optional[Tensor]:
+    """The tensor a forward returns: itself, an HF output's ``logits``, or a tuple's first element."""
+    if isinstance(output, Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    return None
 
 
 def _sequence_stage(model: nn.Module, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:

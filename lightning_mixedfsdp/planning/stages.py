@@ -113,6 +113,29 @@ def tied_to_head(model: nn.Module, layout: BlockLayout) -> List[str]:
     return tied
 
 
+def shared_across_stages(model: nn.Module, stages: Sequence[Stage]) -> List[str]:
+    """Every Parameter (by identity, across the whole model) that more than one stage would hold, or that no stage
+    holds (a param of a module outside the stages, which every rank would keep and none would train), each as the
+    places it is found."""
+    places: Dict[int, List[Tuple[int, str]]] = {}
+    for stage in stages:
+        for module in stage.modules:
+            for name, param in model.get_submodule(module).named_parameters(prefix=module, remove_duplicate=False):
+                places.setdefault(id(param), []).append((stage.index, name))
+    found = []
+    for stage_names in places.values():
+        by_stage: Dict[int, str] = {}
+        for index, name in stage_names:
+            by_stage.setdefault(index, name)
+        if len(by_stage) > 1:
+            (a, first), (b, second) = sorted(by_stage.items())[:2]
+            found.append(f"{second} (stage {b}) is {first} (stage {a})")
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in places:
+            found.append(f"{name} is held by no stage")
+    return found
+
+
 def plan_stages(
     model: nn.Module, num_stages: int, split: Optional[Sequence[str]] = None
 ) -> Tuple[Optional[List[Stage]], List[str]]:
@@ -142,6 +165,14 @@ def plan_stages(
     else:
         stages, split_problems = _balanced(layout, num_stages, name)
     problems += split_problems
+    shared = [] if tied or split_problems else shared_across_stages(model, stages)
+    if shared:
+        problems.append(
+            f"{name} uses a Parameter on more than one pipeline stage ({'; '.join(shared[:4])}): each stage's rank"
+            " would hold a copy that trains apart (or none would train it); move the stage boundary with"
+            " pipeline_split so each shared Parameter is used within one stage, give each place its own Parameter,"
+            " or set pipeline_parallel_size=1."
+        )
     return (None if problems else stages), problems
 
 

@@ -2,10 +2,11 @@
 trains it, ``strategy.pipeline_step(model, inputs, target=..., loss_fn=...)`` (Lightning's contract has none: a
 forward and a backward cannot be separate calls when micro-batches interleave them across ranks)."""
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 from weakref import WeakKeyDictionary
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.export import PipelineStages
@@ -14,9 +15,14 @@ from lightning_mixedfsdp.mesh import ParallelMeshes
 from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
 from lightning_mixedfsdp.model.pipeline_stages import mark_pipeline_stage
 from lightning_mixedfsdp.model_setup import ShardedModel
-from lightning_mixedfsdp.pipelining.runner import LossFn, LossReduction, PipelineRunner
-from lightning_mixedfsdp.pipelining.stage_forward import cut_to_stages, output_wrapper
-from lightning_mixedfsdp.planning.stages import block_layout, plan_stages, stages_of_rank
+from lightning_mixedfsdp.pipelining.runner import LOSS_REDUCTIONS, LossFn, LossReduction, PipelineRunner
+from lightning_mixedfsdp.pipelining.stage_forward import (
+    PROBE_TOLERANCE,
+    composed_stage_gap,
+    cut_to_stages,
+    output_wrapper,
+)
+from lightning_mixedfsdp.planning.stages import BlockLayout, Stage, block_layout, plan_stages, stages_of_rank
 
 
 class PipelineMixin:
@@ -54,6 +60,7 @@ class PipelineMixin:
             raise ValueError(f"{owner}: " + " ".join(problems))
         layout = block_layout(module, split)
         assert layout is not None
+        self._check_composed_stages(module, layout, stages, owner)
         mesh = self.meshes.pipeline
         assert mesh is not None
         mine = [stages[index] for index in stages_of_rank(mesh.get_local_rank(), size, per_rank)]
@@ -82,6 +89,32 @@ class PipelineMixin:
 
         return complete
 
+    def _check_composed_stages(self, module: nn.Module, layout: BlockLayout, stages: List[Stage], owner: str) -> None:
+        """The stages run in order must compute what ``module``'s own forward computes, on a probe (the model still
+        whole on every rank): refused on every rank where they do not (the largest gap over the ranks decides)."""
+        import torch.distributed as dist
+
+        gap = composed_stage_gap(module, layout, stages)
+        worst = torch.tensor(-1.0 if gap is None else gap, device=self.root_device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        name = user_class_name(module)
+        if float(worst) < 0:
+            rank_zero_warn(
+                f"{owner}: the pipeline stages of {name} were not checked against its forward (its params are on the"
+                " meta device, it is larger than a probe allows, or it takes no probe of token ids or features):"
+                " make sure its forward runs the modules before its block list, the blocks and the modules after,"
+                " in order, and nothing else."
+            )
+        elif float(worst) > PROBE_TOLERANCE:
+            raise ValueError(
+                f"{owner}: {name}'s pipeline stages, run in order, do not compute what {name}.forward computes (on a"
+                f" probe their output is {float(worst):.3g} of its largest magnitude away from the forward's): its"
+                " forward does more than run its children in order (a scaled embedding, residual or logits, a"
+                " soft-cap, a skip connection), and each stage runs only its own modules. Make the forward only call"
+                " the modules before the block list, the blocks and the modules after, moving the rest into those"
+                " modules, or set pipeline_parallel_size=1."
+            )
+
     def pipeline_step(
         self,
         model: nn.Module,
@@ -103,6 +136,7 @@ class PipelineMixin:
         the number of micro-batches before backward (gradients equal one process's on the whole batch with equal
         micro-batches); ``"sum"``: it is normalised over the whole batch already (e.g. divided by the batch's token
         count), and the micro-batches' losses add up. Calling it twice before ``optimizer.step()`` accumulates."""
+        self._check_reduction("pipeline_step", loss_reduction)
         return self._runner_of(model, "pipeline_step").step(inputs, target, loss_fn, loss_reduction)
 
     def pipeline_eval(
@@ -116,7 +150,15 @@ class PipelineMixin:
     ) -> Tensor:
         """:meth:`pipeline_step`'s forward alone, under no grad, with the model in eval mode and back in its mode
         after; the loss on every rank."""
+        self._check_reduction("pipeline_eval", loss_reduction)
         return self._runner_of(model, "pipeline_eval").evaluate(inputs, target, loss_fn, loss_reduction)
+
+    def _check_reduction(self, method: str, reduction: str) -> None:
+        if reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"{type(self).__name__}.{method}: loss_reduction={reduction!r}; use 'mean' (loss_fn returns each"
+                " micro-batch's mean) or 'sum' (loss_fn returns its share of a loss normalised over the whole batch)."
+            )
 
     def _runner_of(self, model: nn.Module, method: str) -> PipelineRunner:
         module = unwrap_model(model)

@@ -187,7 +187,36 @@ def _refusals(rank: int) -> Dict[str, str]:
     refused("unsplittable", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(own))
     flat = make_fabric(WORLD, "32-true", strategy())
     refused("unpipelined", lambda: flat.strategy.pipeline_step(model, odd, target=odd, loss_fn=lm_loss))
+    batch = batches()[0]
+    refused("reduction", lambda: fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss,
+                                                                loss_reduction="avg"))  # fmt: skip
+    refused("eval_reduction", lambda: fabric.strategy.pipeline_eval(model, batch, target=batch, loss_fn=lm_loss,
+                                                                     loss_reduction="avg"))  # fmt: skip
+    shared = llama()  # block 3 (stage 1) reuses block 0's (stage 0) up projection
+    shared.model.layers[3].mlp.up_proj.weight = shared.model.layers[0].mlp.up_proj.weight
+    refused("shared_across_stages", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(shared))
+    refused("scaled_forward", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(ScaledBlocks()))
     return out
+
+
+class ScaledBlocks(nn.Module):
+    """A user's model that declares its block list and does more in its forward than run its children in order (a
+    scaled embedding, as Gemma's)."""
+
+    pipeline_blocks = "layers"
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(LAYERS))
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens) * 2.0
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
 
 
 def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
@@ -340,6 +369,13 @@ REFUSALS = {
     "empty_split": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): pipeline_split=['model.layers.0'] leaves",
     "unsplittable": "ValueError: MixedFSDP2Strategy (Sequential): Sequential cannot be split into pipeline stages",
     "unpipelined": "RuntimeError: MixedFSDP2Strategy.pipeline_step: pipeline_parallel_size is 1",
+    "reduction": "ValueError: MixedFSDP2Strategy.pipeline_step: loss_reduction='avg'; use 'mean'",
+    "eval_reduction": "ValueError: MixedFSDP2Strategy.pipeline_eval: loss_reduction='avg'; use 'mean'",
+    "shared_across_stages": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): LlamaForCausalLM uses a Parameter on"
+    " more than one pipeline stage (model.layers.3.mlp.up_proj.weight (stage 1) is model.layers.0.mlp.up_proj.weight"
+    " (stage 0))",
+    "scaled_forward": "ValueError: MixedFSDP2Strategy (ScaledBlocks): ScaledBlocks's pipeline stages, run in order, do"
+    " not compute what ScaledBlocks.forward computes",
 }
 
 
