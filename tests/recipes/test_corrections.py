@@ -53,7 +53,14 @@ def _weight(kind: str, level: str, low: float, high: float, ratios: List[float],
 
 
 def formula(
-    data: dict, kind: str, level: str, low: float, high: float, loss: str, tokens: Optional[float]
+    data: dict,
+    kind: str,
+    level: str,
+    low: float,
+    high: float,
+    loss: str,
+    tokens: Optional[float],
+    completions: Optional[float] = None,
 ) -> torch.Tensor:
     """GRPO's loss with the correction, token by token: the rejected tokens are not terms and not counted."""
     theta, old, mu, mask, rewards = data["theta"], data["old"], data["mu"], data["mask"], data["rewards"]
@@ -70,9 +77,10 @@ def formula(
             clipped = ratio.clamp(1 - CLIP, 1 + CLIP)
             terms.append(-weight * torch.minimum(ratio * advantage, clipped * advantage))
         every_term += terms
-        per_row.append(torch.stack(terms).sum() / len(terms) if terms else theta.sum() * 0)
+        if terms:  # a completion rejected whole is not one of the mean's completions (verl's agg_loss, #3915)
+            per_row.append(torch.stack(terms).sum() / len(terms))
     if loss == "grpo":
-        return torch.stack(per_row).mean()
+        return torch.stack(per_row).sum() / (completions if completions is not None else len(per_row))
     if loss == "dr_grpo":
         return torch.stack(every_term).sum() / (ROWS * MAX_NEW)
     return torch.stack(every_term).sum() / (tokens if tokens is not None else len(every_term))
@@ -104,6 +112,30 @@ def test_each_corrections_loss_and_gradient_equal_the_formula_token_by_token(kin
         assert rejected == 0 and bool((weights.weights <= bounds[1]).all())
     else:  # the bounds reject some tokens, and keep some: the test sees both sides
         assert 0 < rejected < int(data["mask"].sum()), (kind, level, rejected)
+    if kind == "mis" and level == "sequence":  # some completions are rejected whole, some kept
+        kept_rows = int((weights.kept.sum(-1) > 0).sum())
+        assert 0 < kept_rows < ROWS, kept_rows
+
+
+def test_grpos_denominator_is_the_kept_completions_of_every_rank() -> None:
+    data, correction = _rollout(), correction_of("mis", "sequence", (0.3, 3.0))
+    weights = importance_weights(data["old"], data["mu"], data["mask"], correction)
+    other_ranks_kept = 5.0
+    all_completions = (weights.kept.sum(-1) > 0).sum().float() + other_ranks_kept
+    settings = LossSettings("grpo", GROUP, CLIP, CLIP, MAX_NEW)
+    got = grpo_loss(data["theta"], data["old"], weights.kept, data["rewards"], settings, None, None, 2,
+                    weights.weights, all_completions).loss  # fmt: skip
+    expected = formula(data, "mis", "sequence", 0.3, 3.0, "grpo", None, float(all_completions) / 2)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_long_completions_sequence_weight_is_clamped_not_infinite() -> None:
+    """A log gap of 1 nat on each of 40 tokens: the sequence's log weight 40 is clamped to 20 (verl's bound)."""
+    old, mu, mask = torch.zeros(1, 40), -torch.ones(1, 40), torch.ones(1, 40)
+    for kind in ("tis", "mis"):
+        weights = importance_weights(old, mu, mask, correction_of(kind, "sequence", None))
+        assert torch.isfinite(weights.raw).all() and float(weights.raw.max()) == pytest.approx(math.exp(20), rel=1e-5)
+        assert torch.isfinite(weights.weights).all()
 
 
 def test_dapos_denominator_is_the_kept_tokens_of_every_rank() -> None:
@@ -148,7 +180,7 @@ def test_the_logs_figures_are_the_tokens_mean_and_max() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is padding: never counted
     weights = importance_weights(old, mu, mask, correction_of("icepop", "token", None))
     logs = mismatch_logs(old, mu, mask, weights)
-    assert weights.kept.tolist() == [[1.0, 1.0, 1.0, 0.0]]  # ratio 2 is inside [0.5, 2]
+    assert weights.kept.tolist() == [[1.0, 1.0, 1.0, 0.0]]  # ratio 2 is inside [0.5, 5]
     torch.testing.assert_close(logs["is_weight_mean"], torch.tensor(4 / 3))
     torch.testing.assert_close(logs["token_mult_prob_error"], torch.tensor(4 / 3))  # exp(|log 2|) = 2, 1, 1
     torch.testing.assert_close(logs["max_prob_gap"], torch.tensor(0.25))
@@ -160,7 +192,10 @@ def test_the_logs_figures_are_the_tokens_mean_and_max() -> None:
 def test_unset_bounds_are_each_kinds_defaults() -> None:
     assert correction_of("tis", "token", None) == Correction("tis", "token", 0.0, 2.0)
     assert correction_of("mis", "sequence", None) == Correction("mis", "sequence", 0.0, 2.0)
-    assert correction_of("icepop", "token", None) == Correction("icepop", "token", 0.5, 2.0)
+    assert correction_of("icepop", "token", None) == Correction("icepop", "token", 0.5, 5.0)  # Ring-1T, NeMo RL
+    # verl's geometric rejection: a mean log gap of 0.3 nats a token (inside [0, 2]) is far outside
+    assert correction_of("mis", "geometric", None) == Correction("mis", "geometric", 0.999, 1.001)
+    assert correction_of("tis", "geometric", None) == Correction("tis", "geometric", 0.999, 1.001)
 
 
 @pytest.mark.parametrize(

@@ -37,3 +37,19 @@ def test_every_sampled_tokens_probability_is_the_trainers_in_fp32(model_type: st
     on = rollout.completion_mask.bool()
     per_token = (torch.exp(trained - rollout.generator_log_probs) - 1).abs()[on]
     assert per_token.max() <= 1e-5, (model_type, float(per_token.max()))
+
+
+def test_with_top_p_every_log_prob_is_of_the_nucleus_sampled() -> None:
+    """``top_p < 1``: the generator's log-prob of each token is of the renormalised nucleus it was drawn from, and the
+    training forward scores the same distribution (NeMo RL's convention), so the ratio stays 1 on-policy; the
+    unfiltered log-prob would be off by the nucleus's mass."""
+    model = tiny_model("llama", attn_implementation="sdpa").eval()
+    generator = torch.Generator().manual_seed(1)
+    rollout = sample(model, PROMPTS, Sampling(max_new_tokens=12, top_p=0.5), end=[], pad=0, generator=generator)
+    on = rollout.completion_mask.bool()
+    with torch.no_grad():
+        filtered = completion_log_probs(model, rollout, temperature=1.0, top_p=0.5)
+        unfiltered = completion_log_probs(model, rollout, temperature=1.0)
+    assert (torch.exp(filtered - rollout.generator_log_probs) - 1).abs()[on].max() <= 1e-5
+    kept_mass = torch.exp(unfiltered - filtered)[on]  # the nucleus's probability, where each token was drawn
+    assert kept_mass.max() <= 1 + 1e-6 and kept_mass.min() < 0.9

@@ -137,27 +137,36 @@ def reference_log_probs(
     rollout: Rollout,
     temperature: float,
     vocab: int,
+    top_p: float = 1.0,
 ) -> Optional[Tensor]:
-    """The reference's log-probs of the completion tokens: the frozen copy's, or the policy's with its adapters off;
-    None without a reference."""
+    """The reference's log-probs of the completion tokens (of its own distribution, filtered as the policy's is): the
+    frozen copy's, or the policy's with its adapters off; None without a reference."""
     if kind is None:
         return None
     with torch.no_grad():
         if kind == ADAPTERS_OFF:
             assert policy is not None
             with policy.disable_adapter():  # type: ignore[operator]  # a PeftModel (checked before launch)
-                return completion_log_probs(policy, rollout, temperature, vocab)
+                return completion_log_probs(policy, rollout, temperature, vocab, top_p)
         assert reference is not None
-        return completion_log_probs(reference, rollout, temperature, vocab)
+        return completion_log_probs(reference, rollout, temperature, vocab, top_p)
 
 
 def all_ranks_tokens(mask: Tensor) -> Optional[Tensor]:
     """The completion tokens of every rank's rollout (DAPO's denominator); None in one process."""
+    return all_ranks_sum(mask.sum().float())
+
+
+def all_ranks_completions(mask: Tensor) -> Optional[Tensor]:
+    """The completions of every rank's rollout that keep a token (GRPO's denominator); None in one process."""
+    return all_ranks_sum((mask.sum(-1) > 0).sum().float())
+
+
+def all_ranks_sum(value: Tensor) -> Optional[Tensor]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    tokens = mask.sum().float()
-    dist.all_reduce(tokens)
-    return tokens
+    dist.all_reduce(value)
+    return value
 
 
 def mismatch_limit(settings: RlSection, precision: str) -> float:
@@ -318,7 +327,7 @@ class GroupRelativePolicyOptimization(RolloutSource):
         self._rollout_for(batch)
         rollout, rewards, settings = self.rollout, self.rollout_rewards, self.rl
         assert rollout is not None and rewards is not None
-        log_probs = completion_log_probs(self.model, rollout, settings.temperature, self._vocab())
+        log_probs = completion_log_probs(self.model, rollout, settings.temperature, self._vocab(), settings.top_p)
         mask, generated = rollout.completion_mask, rollout.generator_log_probs
         if self.first_update:
             self.old_log_probs = log_probs.detach()  # pi_old: the weights the rollout was sampled from
@@ -330,12 +339,14 @@ class GroupRelativePolicyOptimization(RolloutSource):
             if not self.mismatch_checked:  # the launch's first rollout
                 self.mismatch_checked = check_first_mismatch(mismatch, self.rl, str(self.trainer.precision), self.model)
         all_tokens = all_ranks_tokens(weights.kept) if settings.loss == "dapo" else None
+        all_completions = all_ranks_completions(weights.kept) if settings.loss == "grpo" else None
         model, reference, vocab = self.model, self.reference, self._vocab()
         reference_probs = reference_log_probs(
-            self.reference_kind, model, reference, rollout, settings.temperature, vocab
+            self.reference_kind, model, reference, rollout, settings.temperature, vocab, settings.top_p
         )
         parts = grpo_loss(log_probs, old, weights.kept, rewards, loss_settings(settings), reference_probs, all_tokens,
-                          self.data_parallel_ranks(), weights.weights if self.correction.enabled else None)  # fmt: skip
+                          self.data_parallel_ranks(), weights.weights if self.correction.enabled else None,
+                          all_completions)  # fmt: skip
         self.log("clip_fraction", parts.clip_fraction, sync_dist=True)
         if self.reference_kind is not None:
             self.log("kl", parts.kl, sync_dist=True)

@@ -7,10 +7,17 @@ of): ``mu``, ``pi_old`` and ``pi_theta`` (the forward being trained). PPO's rati
 importance weight ``w = pi_old / mu`` multiplies the policy-gradient term (never the KL). Even at equal weights the
 two differ: the generator decodes one token at a time, the trainer runs one forward over the sequence.
 
-- ``tis`` (truncated importance sampling, Yao et al. 2025): ``w`` clamped into ``[low, high]`` (default [0, 2]);
-- ``mis`` (masked importance sampling): tokens whose ``w`` is outside ``[low, high]`` (default [0, 2]) are rejected,
-  the others keep ``w``;
-- ``icepop`` (Ring-1T): ``mis`` per token with the bounds [0.5, 2] by default.
+- ``tis`` (truncated importance sampling, Yao et al. 2025): ``w`` clamped into ``[low, high]``;
+- ``mis`` (masked importance sampling): tokens whose ``w`` is outside ``[low, high]`` are rejected, the others keep
+  ``w``;
+- ``icepop`` (Ring-1T): ``mis`` per token.
+
+The default bounds depend on the level (:func:`default_bounds`), from the anchors: [0, 2] per token and per
+sequence (TIS's cap of 2, Yao et al.; verl's ``rollout_is_threshold`` 2.0); [0.999, 1.001] for the geometric mean
+(verl's geometric rejection; NeMo RL uses 0.999-1.002), whose per-token mean log gap must stay tiny to mean anything
+(0.3 nats a token would pass [0, 2]); [0.5, 5] for IcePop (Ring-1T's alpha and beta, NeMo RL's comment). The log of a
+weight is clamped to [-20, 20] before ``exp`` (verl's bound): a sequence's summed log gap grows with its length and
+would reach inf.
 
 ``rl.correction_level`` says whose ratio ``w`` is: each token's (``token``), the completion's product over its
 tokens (``sequence``), or that product's geometric mean (``geometric``); a sequence-level rejection rejects the whole
@@ -18,14 +25,24 @@ completion. Rejected tokens leave the loss entirely, its denominators included (
 dapo's count over every rank; dr_grpo's constant stays): slime #657 and verl #3915 fixed the same."""
 
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 CORRECTIONS = ("none", "tis", "mis", "icepop")
 LEVELS = ("token", "sequence", "geometric")
-DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.0, 2.0), "icepop": (0.5, 2.0)}
+LOG_WEIGHT_BOUND = 20.0
+"""A weight's log is clamped to ``[-20, 20]`` before ``exp`` (verl's bound)."""
+
+
+def default_bounds(kind: str, level: str) -> Tuple[float, float]:
+    """The bounds of ``kind`` at ``level`` when ``rl.correction_bounds`` is unset (see the module's docstring)."""
+    if kind == "icepop":
+        return (0.5, 5.0)
+    if level == "geometric":
+        return (0.999, 1.001)
+    return (0.0, 2.0)
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,7 @@ class Correction:
 
 def correction_of(kind: str, level: str, bounds: Optional[Sequence[float]]) -> Correction:
     """The correction with ``bounds``, or the kind's defaults when unset."""
-    low, high = bounds if bounds is not None else DEFAULT_BOUNDS.get(kind, (0.0, 2.0))
+    low, high = bounds if bounds is not None else default_bounds(kind, level)
     return Correction(kind, level, float(low), float(high))
 
 
@@ -72,7 +89,7 @@ def importance_weights(
         if correction.level == "geometric":
             total = total / mask.sum(-1, keepdim=True).clamp_min(1)
         log_weight = total.expand_as(gap)
-    raw = torch.exp(log_weight)
+    raw = torch.exp(log_weight.clamp(-LOG_WEIGHT_BOUND, LOG_WEIGHT_BOUND))
     if correction.kind == "tis":
         return Weights(raw.clamp(correction.low, correction.high) * mask, mask, raw)
     inside = ((raw >= correction.low) & (raw <= correction.high)).float() * mask

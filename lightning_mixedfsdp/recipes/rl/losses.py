@@ -10,13 +10,15 @@ trainer's ``pi_old`` with one: ``rl/corrections.py``), PPO's clipped surrogate w
 and the tokens' losses become the loss by ``rl.loss`` (over the tokens ``completion_mask`` keeps: a correction's
 rejected tokens are out of it):
 
-- ``grpo``: each completion's mean over its tokens, then the mean over completions;
+- ``grpo``: each completion's mean over its tokens, then the mean over the completions that keep a token (a
+  completion a correction rejected whole leaves the denominator too, as verl's ``agg_loss`` after its #3915);
 - ``dr_grpo``: the sum over every token over ``completions x max_new_tokens`` (a constant: no length bias);
 - ``dapo``: the sum over every token over the step's completion tokens, on all ranks (token-level mean).
 
 FSDP averages gradients over the data-parallel ranks, so each rank's loss is scaled to make the step's gradient the
-formula's over the union of the ranks' rollouts: ``grpo`` and ``dr_grpo`` need nothing (every rank holds as many
-completions), ``dapo`` divides by the tokens of all ranks (``all_tokens``) times the ranks."""
+formula's over the union of the ranks' rollouts: ``dr_grpo`` needs nothing (every rank holds as many completions),
+``grpo`` divides by the kept completions of all ranks (``all_completions``) and ``dapo`` by their tokens
+(``all_tokens``), each times the ranks."""
 
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Optional
@@ -70,10 +72,12 @@ def grpo_loss(
     all_tokens: Optional[Tensor] = None,
     ranks: int = 1,
     weights: Optional[Tensor] = None,
+    all_completions: Optional[Tensor] = None,
 ) -> LossParts:
     """The loss of one rank's rollout (``[rows, len]`` per-token tensors; ``rewards`` per row); ``all_tokens`` and
-    ``ranks``: ``dapo``'s denominator, the kept completion tokens of every rank; ``weights``: the correction's
-    importance weight of each token (detached; none: 1)."""
+    ``ranks``: ``dapo``'s denominator, the kept completion tokens of every rank; ``all_completions``: ``grpo``'s, the
+    completions of every rank that keep a token (None: this rank's alone); ``weights``: the correction's importance
+    weight of each token (detached; none: 1)."""
     kind, group_size, beta = settings.kind, settings.group_size, settings.beta
     clip, clip_high, max_new_tokens = settings.clip, settings.clip_high, settings.max_new_tokens
     mask = completion_mask.float()
@@ -90,7 +94,8 @@ def grpo_loss(
         per_token = per_token + beta * kl
     per_token = per_token * mask
     if kind == "grpo":
-        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+        completions = all_completions if all_completions is not None else (mask.sum(-1) > 0).sum() * ranks
+        loss = (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).sum() * ranks / completions.clamp_min(1)
     elif kind == "dr_grpo":
         loss = per_token.sum() / (per_token.shape[0] * max_new_tokens)
     else:

@@ -14,10 +14,13 @@ get padding, masked out of the loss.
 A model whose embedding is larger than its tokenizer (a vocabulary padded to a multiple, a byte-level tokenizer on
 a wider model) never samples an id the tokenizer lacks: both distributions are over the tokenizer's ``vocab``.
 
-The log-probs are of the temperature-scaled distribution ``softmax(logits / temperature)``, in both places; top-p
-only narrows what is sampled (as in trl), so on-policy the ratio of training to generator probabilities is 1 up to
-the kernels' rounding: the mismatch :func:`log_prob_mismatch` measures. Every logit comes from the model's own head,
-so a head in ``dtypes.fp32_compute_modules`` computes both in fp32."""
+The log-probs are of the distribution sampled, in every place (the generator's mu, the trainer's pi_old and
+pi_theta, the reference's): ``softmax(logits / temperature)``, and with ``top_p < 1`` that distribution restricted
+to its nucleus (the smallest set of probability ``top_p``; the scored token always in it) and renormalised, as NeMo
+RL computes filtered log-probs for the importance ratio. So the policy trained is the one that samples, and
+on-policy the ratio of training to generator probabilities is 1 up to the kernels' rounding (the mismatch
+:func:`log_prob_mismatch` measures); an unfiltered mu would put every importance weight off by the nucleus's mass.
+Every logit comes from the model's own head, so a head in ``dtypes.fp32_compute_modules`` computes both in fp32."""
 
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -71,18 +74,38 @@ def within(logits: Tensor, vocab: Optional[int]) -> Tensor:
     return logits if vocab is None or vocab >= logits.shape[-1] else logits[..., :vocab]
 
 
-def token_log_probs(logits: Tensor, targets: Tensor, temperature: float, vocab: Optional[int] = None) -> Tensor:
-    """``log softmax(logits / temperature)`` of ``targets`` over the ``vocab`` ids, in fp32."""
-    log_probs = torch.log_softmax(within(logits, vocab).float() / temperature, dim=-1)
+def token_log_probs(
+    logits: Tensor, targets: Tensor, temperature: float, vocab: Optional[int] = None, top_p: float = 1.0
+) -> Tensor:
+    """``log softmax(logits / temperature)`` of ``targets`` over the ``vocab`` ids, in fp32; with ``top_p < 1`` over
+    the nucleus (``targets`` always in it), renormalised: the log-prob of the distribution sampled."""
+    scaled = within(logits, vocab).float() / temperature
+    if top_p < 1.0:
+        scaled = scaled.masked_fill(~nucleus(scaled.detach(), top_p, targets), float("-inf"))
+    log_probs = torch.log_softmax(scaled, dim=-1)
     return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def completion_log_probs(model: nn.Module, rollout: Rollout, temperature: float, vocab: Optional[int] = None) -> Tensor:
+def nucleus(scaled: Tensor, top_p: float, keep: Optional[Tensor] = None) -> Tensor:
+    """Where ``softmax(scaled)``'s smallest set of probability ``top_p`` is (the top token always in it), and the
+    ids ``keep`` (one per row) too."""
+    probs = torch.softmax(scaled, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    inside_sorted = ordered.cumsum(-1) - ordered <= top_p
+    inside = torch.zeros_like(inside_sorted).scatter(-1, order, inside_sorted)
+    if keep is not None:
+        inside = inside.scatter(-1, keep.unsqueeze(-1), True)
+    return inside
+
+
+def completion_log_probs(
+    model: nn.Module, rollout: Rollout, temperature: float, vocab: Optional[int] = None, top_p: float = 1.0
+) -> Tensor:
     """The training forward's log-prob of each completion token, ``[rows, len]`` (0 where not a completion token;
-    the first column, never a completion token, 0 too)."""
+    the first column, never a completion token, 0 too), of the distribution sampled (:func:`token_log_probs`)."""
     ids = rollout.input_ids
     logits = forward_logits(model, ids, rollout.attention_mask)
-    picked = token_log_probs(logits[:, :-1], ids[:, 1:], temperature, vocab)
+    picked = token_log_probs(logits[:, :-1], ids[:, 1:], temperature, vocab, top_p)
     picked = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
     # where, not a product: a padded row's logits may be anything, and 0 * nan is nan
     return torch.where(rollout.completion_mask.bool(), picked, torch.zeros_like(picked))
@@ -97,17 +120,6 @@ def left_padded(prompts: Sequence[Sequence[int]], pad: int, device: torch.device
             ids[row, length - len(prompt) :] = torch.tensor(list(prompt), device=device)
             mask[row, length - len(prompt) :] = 1
     return {"input_ids": ids, "attention_mask": mask}
-
-
-def top_p_filtered(probs: Tensor, top_p: float) -> Tensor:
-    """``probs`` with the tokens outside the smallest set of probability ``top_p`` zeroed (the top token always
-    kept)."""
-    if top_p >= 1.0:
-        return probs
-    ordered, order = probs.sort(dim=-1, descending=True)
-    outside = ordered.cumsum(-1) - ordered > top_p
-    ordered = ordered.masked_fill(outside, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, ordered)
 
 
 @dataclass(frozen=True)
@@ -156,8 +168,9 @@ def sample(
         if sampling.temperature == 0:
             token = scaled.argmax(-1)
         else:
-            probs = top_p_filtered(torch.softmax(scaled, dim=-1), sampling.top_p)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            if sampling.top_p < 1.0:
+                scaled = scaled.masked_fill(~nucleus(scaled, sampling.top_p), float("-inf"))
+            token = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=generator).squeeze(-1)
         token = torch.where(ended, torch.full_like(token, pad), token)
         picked = torch.log_softmax(scaled, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
         log_probs.append(torch.where(ended, torch.zeros_like(picked), picked))

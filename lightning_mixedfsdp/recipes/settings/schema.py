@@ -267,13 +267,13 @@ class RlSection:
     correction: str = "none"
     """The off-policy correction of every rollout (``rl/corrections.py``): ``none`` (PPO's ratio against the
     generator's log-probs), ``tis`` (the trainer's over the generator's probability, truncated into the bounds),
-    ``mis`` (tokens whose weight is outside the bounds rejected) or ``icepop`` (``mis`` per token, [0.5, 2])."""
+    ``mis`` (tokens whose weight is outside the bounds rejected) or ``icepop`` (``mis`` per token, [0.5, 5])."""
     correction_level: str = "token"
     """Whose weight a correction bounds: each ``token``'s, the completion's product (``sequence``) or its geometric
     mean (``geometric``)."""
     correction_bounds: Optional[List[float]] = None
-    """``[low, high]`` with ``0 <= low <= 1 < high``; unset: [0, 2] for ``tis`` and ``mis``, [0.5, 2] for
-    ``icepop``."""
+    """``[low, high]`` with ``0 <= low <= 1 < high``; unset: [0, 2] for ``tis`` and ``mis`` per token and per
+    sequence, [0.999, 1.001] at the ``geometric`` level (verl's), [0.5, 5] for ``icepop`` (Ring-1T's)."""
     mismatch_limit: Optional[float] = None
     """The largest ``logprob_mismatch`` a launch's first rollout may have: above it every rank raises, naming the
     model class and the value, since the rollouts are then not the trained policy's samples (a cache that decodes
