@@ -91,6 +91,32 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 adds) marks a layer with a recurrent state."""
 
 
+def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str, Any], Dict[str, Any]]]:
+    """What ``save_pretrained`` writes for one of ``model_class``'s tensors, as a function ``(name, tensor) -> {name:
+    tensor}`` (None where the class converts nothing): transformers 5 holds some weights fused (an MoE's
+    ``mlp.experts.gate_up_proj``) that checkpoints, and the serving engines' loaders (vLLM's, SGLang's
+    ``load_weights``), keep per expert (``mlp.experts.0.gate_proj.weight``, ...). Each conversion is reversed on its
+    own tensor (every 5.23-5.25 MoE conversion fuses per-expert tensors into one, so its reverse takes one), on a shell
+    of the class built on the meta device (FSDP's dynamic subclass would be taken for custom code). Internal
+    ``core_model_loading.revert_weight_conversion`` and ``conversion_mapping.get_model_conversion_mapping`` (5.23 to
+    5.25, checked against ``save_pretrained``'s keys and values)."""
+    import torch
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError as err:
+        raise gone("transformers", "core_model_loading.revert_weight_conversion") from err
+    if not issubclass(model_class, PreTrainedModel):
+        return None
+    with torch.device("meta"):
+        shell = model_class._from_config(config)
+    if not get_model_conversion_mapping(shell, add_legacy=False):
+        return None
+    return lambda name, tensor: dict(revert_weight_conversion(shell, {name: tensor}))
+
+
 def decodes_with_cache(model: nn.Module) -> bool:
     """Whether rollouts may decode ``model`` one token at a time with its own cache: a model whose cache holds
     attention keys and values only. A stateful model (Mamba, Mamba-2, and the hybrids Jamba, Falcon-H1, Qwen3-Next,

@@ -16,14 +16,18 @@ def stream_weights(
     dtype: Optional[torch.dtype] = None,
     to_rank: int = 0,
     adapters_only: bool = False,
+    checkpoint_names: bool = True,
 ) -> Iterator[Bucket]:
     """Yield ``model``'s weights in buckets, each a list of ``(hf_name, tensor)`` of at most ``bucket_bytes`` (a
     larger tensor alone), whole tensors on ``to_rank`` and empty buckets elsewhere: what vLLM's and SGLang's
     ``load_weights`` take. Collective: every rank iterates it to the end. ``model`` is what ``fabric.setup``
     returned, or a LightningModule the Trainer set up. ``dtype`` None sends each
     tensor as stored; a dtype casts the bulk, and the plan's keep-fp32 tensors stay fp32. Tied weights go once;
-    LoRA is merged into its base weights (``adapters_only=True``: the adapters alone, under peft's names). A bucket
-    is emptied when the next one is asked for: load it (or copy what you keep) before iterating on."""
+    LoRA is merged into its base weights (``adapters_only=True``: the adapters alone, under peft's names). Names are
+    the HF checkpoint's (``checkpoint_names=True``: what ``save_pretrained`` writes, an MoE's fused experts split per
+    expert, as serving engines load them), or the model's own. Each bucket is a new list, never emptied by the
+    stream (``list(stream_weights(model))`` keeps them all); a loop that drops each bucket once loaded (``del
+    bucket``) holds one bucket on ``to_rank``, a plain ``for`` loop the last one too while the next is assembled."""
     strategy = _strategy_of(model)
     if strategy.pipelined:
         raise NotImplementedError(
@@ -31,7 +35,7 @@ def stream_weights(
             " streaming across stages is not supported yet; export with strategy.export_safetensors instead"
         )
     keep_fp32 = set(strategy.plan_of(model).fp32_names)
-    return stream_buckets(model, keep_fp32, bucket_bytes, dtype, to_rank, adapters_only)
+    return stream_buckets(model, keep_fp32, bucket_bytes, dtype, to_rank, adapters_only, checkpoint_names)
 
 
 def _strategy_of(model: nn.Module) -> Any:

@@ -6,6 +6,7 @@ gathered params; bucket sizes, a tensor larger than the bucket alone, empty buck
 to rank 1); each rank's peak allocation during the stream (an allocator ledger) within a bucket plus one FSDP unit;
 LoRA merged on the fly (a fresh base model gives the adapted model's logits) and the adapters alone."""
 
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -141,7 +142,8 @@ def _peak_during_stream(rank: int) -> Dict[str, Any]:
     for bucket_bytes in (SMALL_BUCKET, 4 * SMALL_BUCKET):
         with AllocationLedger() as ledger:
             for bucket in stream_weights(model, bucket_bytes=bucket_bytes):
-                loaded = sum(tensor.numel() for _, tensor in bucket)  # an engine's load; the loop names the bucket on
+                loaded = sum(tensor.numel() for _, tensor in bucket)  # an engine's load
+                del bucket  # loaded: the loop holds no reference while the next one is assembled
         peaks[bucket_bytes] = ledger.peak_bytes
     assert loaded > 0 or rank != 0
     return {"peaks": peaks, "unit": _largest_unit_bytes(model), "largest_tensor": largest_tensor}
@@ -158,8 +160,36 @@ def _lora(rank: int) -> Dict[str, Any]:
     return {"logits": logits, "fresh": _into_fresh(merged, tie=False), "adapter_names": adapter_names}
 
 
+def _collected_and_moe_names(rank: int, folder: str) -> Dict[str, Any]:
+    """``list(stream_weights(...))`` (the obvious way to try the API) keeps every bucket; a Qwen3-MoE (transformers
+    holds its experts fused) is streamed under the names and values ``save_pretrained`` writes, per expert."""
+    from lightning_mixedfsdp import stream_weights
+
+    fabric, model = _trained("32-true")
+    collected = list(stream_weights(model, bucket_bytes=TINY_BUCKET))
+    copied = _streamed(model, bucket_bytes=TINY_BUCKET)
+    fabric = make_fabric(WORLD, precision="32-true")
+    moe = fabric.setup(tiny_model("qwen3_moe", vocab_size=VOCAB))
+    streamed = {name: t for bucket in stream_weights(moe, bucket_bytes=SMALL_BUCKET) for name, t in bucket}
+    own = {name for bucket in stream_weights(moe, checkpoint_names=False) for name, _ in bucket}
+    if rank != 0:
+        return {}
+    saved = Path(folder) / "qwen3_moe_saved"
+    tiny_model("qwen3_moe", vocab_size=VOCAB).save_pretrained(saved)  # the same seeded init, untrained
+    from safetensors.torch import load_file
+
+    return {
+        "collected": [[name for name, _ in bucket] for bucket in collected],
+        "copied": [[name for name, _ in bucket] for bucket in copied],
+        "streamed": streamed,
+        "saved": load_file(saved / "model.safetensors"),
+        "own": own,
+    }
+
+
 def _scenarios(rank: int, world: int, folder: str) -> Dict[str, Any]:
     return {
+        "collected": _collected_and_moe_names(rank, folder),
         "untied": _into_fresh_logits(rank, tie=False),
         "tied": _into_fresh_logits(rank, tie=True),
         "dtypes": _dtypes_and_values(rank),
@@ -238,3 +268,17 @@ def test_a_model_not_set_up_by_the_strategy_is_refused_by_name() -> None:
 
     with pytest.raises(TypeError, match=r"stream_weights: LlamaForCausalLM was not set up by the mixed_fsdp2"):
         next(iter(stream_weights(_llama())))
+
+
+def test_collected_buckets_are_each_its_own(results: list) -> None:
+    got = results[0]["collected"]
+    assert len(got["collected"]) > 1 and got["collected"] == got["copied"]
+
+
+def test_an_moe_streams_under_the_checkpoints_per_expert_names_and_values(results: list) -> None:
+    got = results[0]["collected"]
+    assert any("experts.gate_up_proj" in name for name in got["own"])  # transformers holds them fused
+    assert got["streamed"].keys() == got["saved"].keys()
+    assert any(".experts.0.gate_proj.weight" in name for name in got["saved"])
+    for name, value in got["saved"].items():
+        assert torch.equal(got["streamed"][name], value), name

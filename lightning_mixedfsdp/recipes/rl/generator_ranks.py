@@ -117,11 +117,13 @@ class GeneratorRanks:
         if self.bridge:
             sync_wire.send_command(group, sync_wire.WEIGHTS, version, count=int(verify))
         digest = hashlib.sha256()
-        for bucket in stream_buckets(model, keep_fp32, self.bucket_bytes, None, 0):
+        # the model's own names: a generator holds the trainers' model class and receives into its params
+        for bucket in stream_buckets(model, keep_fp32, self.bucket_bytes, None, 0, checkpoint_names=False):
             for _, tensor in bucket:  # rank 0's bucket: whole tensors; the others' are empty
                 sync_wire.send_tensor(group, tensor)
                 if verify:
                     digest.update(sync_wire.tensor_bytes(tensor))
+            bucket.clear()  # sent: one bucket held at a time
         self.synced_version = version
         if verify:
             self._check_digests(digest.hexdigest(), version)
