@@ -13,9 +13,10 @@ unsharded around another group's sends.
 
 Names are the HF checkpoint's (``checkpoint_names``, the default: what ``save_pretrained`` writes, an MoE's fused
 experts split per expert as serving engines load them) or the model's own (canonical: Fabric's and FSDP's wrappers,
-activation checkpointing and ``torch.compile`` left out); tied weights are sent once (the first name the state dict holds); root-owned params (the final norm, the
-head) are sent like the others; a PEFT model's LoRA layers are merged into their base weights on the fly
-(``export.py``'s merge), or with ``adapters_only`` only its adapter tensors are sent, under peft's names."""
+activation checkpointing and ``torch.compile`` left out); tied weights are sent once (the first name the state dict
+holds); root-owned params (the final norm, the head) are sent like the others; a PEFT model's LoRA layers are merged
+into their base weights on the fly (``export.py``'s merge), or with ``adapters_only`` only its adapter tensors are
+sent, under peft's names."""
 
 from typing import Callable, Collection, Dict, Iterator, List, Optional, Tuple
 
