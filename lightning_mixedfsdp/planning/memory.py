@@ -101,6 +101,20 @@ def _gathered_bytes(plan: ShardPlan) -> int:
     return root + 2 * max(per_unit.values(), default=0) + max(dequantized, default=0)
 
 
+def unsharded_step_bytes(plan: ShardPlan) -> int:
+    """What a pipeline stage holds beyond its training state during a step: every sharded param unsharded (in its
+    compute dtype) and every trainable one's unsharded grad (the same size) from the first micro-batch's forward to
+    the step's one reduce-scatter, since gradient sync and resharding are off across the micro-batches (torch's
+    schedules and torchtitan alike). Replicated params are whole already."""
+    total = 0
+    for param in plan.params.values():
+        if param.replicated:
+            continue
+        gathered = _gathered_param_bytes(param)
+        total += gathered * (2 if param.requires_grad else 1)
+    return total
+
+
 def _gathered_param_bytes(param: ParamPlan) -> int:
     if param.quantized:
         return param.nbytes

@@ -184,6 +184,16 @@ def test_the_planner_prints_each_stage_with_its_memory(tmp_path: Any, capsys: An
     assert "activations 2 micro-batches in flight" in gpipe.split("stage 1")[1]
     assert "activations 1 micro-batch in flight" in one_f_one_b.split("stage 1")[1]
     assert "stage" in one_f_one_b.split("\n\n")[1].split("\n")[0], "the dtype report's stage column"
+    # during a step the stage holds its sharded params and their grads unsharded, in bf16 (the fp32 norms are
+    # replicated, whole on every rank already: in the training state)
+    from lightning_mixedfsdp.planning.report import format_bytes
+
+    model = tiny_model("llama", num_hidden_layers=4, tie_word_embeddings=False)
+    held = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.")
+    sharded = sum(p.numel() * 2 for n, p in model.named_parameters() if n.startswith(held) and "norm" not in n)
+    first = one_f_one_b.split("stage 1")[0]
+    assert f"+ {format_bytes(2 * sharded)} params and grads unsharded during a step" in first
+    assert "per rank during a step" in one_f_one_b.split("stage 1")[1]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "olmo2"])

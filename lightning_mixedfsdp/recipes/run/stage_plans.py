@@ -1,5 +1,7 @@
-"""The dry run's pipeline stages: each stage's blocks, params, training state per rank, and activations counting
-the micro-batches it holds at once under the schedule (``planning/memory.py``). Each stage is planned as the
+"""The dry run's pipeline stages: each stage's blocks, params, training state per rank, what it holds unsharded
+during a step (its params and grads: gradient sync and resharding are off across the micro-batches), activations
+counting the micro-batches it holds at once under the schedule (the last stage's logits and loss copies per
+micro-batch among them), and their sum: the stage's peak per rank (``planning/memory.py``). Each stage is planned as the
 strategy plans it: the model cut to that stage (``pipelining/stage_forward.py``), then the dtype plan over the
 stage's data-parallel ranks."""
 
@@ -14,6 +16,7 @@ from lightning_mixedfsdp.planning.memory import (
     estimate_memory,
     in_flight_microbatches,
     stage_activation_bytes,
+    unsharded_step_bytes,
 )
 from lightning_mixedfsdp.planning.planner import plan_sharding
 from lightning_mixedfsdp.planning.report import format_bytes, format_count
@@ -54,14 +57,18 @@ def stage_lines(
         plan = plan_sharding(stage_model, config, precision, shard_ranks=shard)
         estimate = estimate_memory(plan, shard_ranks=shard, data_parallel_ranks=stage_world)
         params = sum(p.numel() for p in stage_model.parameters())
+        unsharded = unsharded_step_bytes(plan)
         line = (
             f"  stage {stage.index} (pipeline rank {stage.index % size}): {stage.describe()}, {format_count(params)}"
-            f" params; training state {format_bytes(estimate.total)} per rank"
+            f" params; training state {format_bytes(estimate.total)} per rank, + {format_bytes(unsharded)} params"
+            " and grads unsharded during a step"
         )
+        peak = estimate.total - estimate.host + unsharded  # the whole stage is gathered: no working set beyond
         if shape is not None and seq_len:
             held = in_flight_microbatches(schedule, stage.index, num_stages, micro, per_rank)
             each = stage_activation_bytes(shape, len(stage.blocks), bool(stage.last), seq_len, micro_batch)
             batches = "micro-batch" if held == 1 else "micro-batches"
             line += f"; activations {held} {batches} in flight x {format_bytes(each)} = {format_bytes(held * each)}"
-        lines.append(line)
+            peak += held * each
+        lines.append(f"{line}; at most {format_bytes(peak)} per rank during a step")
     return lines
