@@ -5,7 +5,9 @@ The plain loop is what a user writes from the papers: one process, fp32, HF ``ge
 the same warm start, the same prompts each step (the union of the recipe's ranks' prompts: the recipe's stream), the
 same group, GRPO loss (on-policy: its ratio is 1, its gradient the policy gradient), AdamW with the recipe's betas,
 weight decay and clipping, the same learning-rate schedule; greedy completions of the same held-out prompts every
-``--every`` steps.
+``--every`` steps. Its sampler is not the recipe's in one respect: ``generate`` runs with ``min_new_tokens`` equal to
+the completion length, so a row never ends on the tokenizer's EOS id (each completion is cut after its first
+end-of-turn marker instead), where the recipe's sampler ends a row at either.
 
     python -m benchmarks.rl --learning                     # 5 seeds each; about 2 hours on 2 CPU cores
     python -m benchmarks.rl --learning --seeds 1234 --horizon 10 --every 2

@@ -5,9 +5,10 @@ A module that trains on several ranks declares ``LAUNCH = Launch(scenarios, worl
 hands every test the per-rank return values. ``args`` are the module's folder (``with_folder``) and the values of
 the fixtures named in ``fixtures``, as strings where they are paths."""
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 
@@ -51,6 +52,26 @@ SLOW_MODULES = frozenset(
 )
 """The modules of 12 s or more in a full run on 2 cores (``--durations`` prints them): ``pytest -m "not slow"`` leaves
 them out for work in progress (about 3 minutes); README's test command runs everything."""
+
+
+MODULE_SECONDS: Dict[str, float] = defaultdict(float)
+"""Each test module's seconds in this run (set-up, calls and teardowns: a module's launch is in its first set-up)."""
+MODULE_TABLE_FLOOR_S = 10.0
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    MODULE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The time table by module (those of 10 s or more), so each change sees what its tests cost."""
+    slow = sorted(((s, m) for m, s in MODULE_SECONDS.items() if s >= MODULE_TABLE_FLOOR_S), reverse=True)
+    if not slow:
+        return
+    terminalreporter.section(f"modules of {MODULE_TABLE_FLOOR_S:.0f} s or more")
+    for seconds, module in slow:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    terminalreporter.write_line(f"{sum(MODULE_SECONDS.values()):8.1f}s  all {len(MODULE_SECONDS)} modules")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:

@@ -37,6 +37,7 @@ import math
 from dataclasses import replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
@@ -319,11 +320,19 @@ class GroupRelativePolicyOptimization(RolloutSource):
         if self.generators is not None:
             self.generators.close()
 
+    @override
+    def configure_callbacks(self) -> List[pl.Callback]:
+        return [StopGeneratorsOnException()] if self.generators is not None else []
+
     # -- the loss
 
     @override
     def training_loss(self, batch: List[Prompt]) -> TrainingLoss:
         assert self.model is not None
+        if self.rl.disable_dropout:  # one mode for sampling, pi_old, pi_theta, the reference: no dropout masks
+            for model in (self.model, self.reference):
+                if model is not None:
+                    model.eval()
         self._rollout_for(batch)
         rollout, rewards, settings = self.rollout, self.rollout_rewards, self.rl
         assert rollout is not None and rewards is not None
@@ -376,6 +385,17 @@ class GroupRelativePolicyOptimization(RolloutSource):
     @classmethod
     def summary(cls, untrained: Optional[float], trained: Optional[float], steps: int, pretrained: bool) -> str:
         return before_after(cls.evaluated, untrained, trained, steps)
+
+
+class StopGeneratorsOnException(pl.Callback):
+    """Lightning calls no ``teardown`` after an exception: the generator processes are stopped (without a word to
+    them: they may be sending) and their folder removed here."""
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        generators = getattr(pl_module, "generators", None)
+        if isinstance(generators, GeneratorRanks):
+            generators.terminate()
 
 
 def grpo_problems(recipe: Recipe) -> List[str]:

@@ -10,18 +10,32 @@ version it was sampled with: version v is the weights after v optimizer steps.
 
 ``rl.max_staleness: 1`` asks for the next rollout right after receiving the current one, with the current weights:
 the generators sample it while the trainers train, and the rollout trained at step k was sampled with step k-1's
-weights. A generator that fails sends its traceback in place of the rollout, and every trainer rank raises it."""
+weights.
 
+Faults: a generator that fails in a rollout sends its traceback in place of it. A generator process that exits (an
+error before it joins: a bad device, no memory, an import; a kill mid-run) is found by trainer rank 0, which polls
+the processes while it waits for them to join and checks them when a send or receive to them fails; it then ends its
+part of the collective at hand without them, and every trainer rank raises at the next point where the trainers
+meet rank 0 (the end of a start, a weight sync, a rollout), naming the generator, its exit code and the traceback it
+left (each generator writes its own to the run's temporary folder before it exits). Generators start in a clean
+environment (no launcher's or scheduler's variables: their Fabric is a world of one), and are stopped, and the
+temporary folder removed, on every exit path: ``close`` at a clean end, on a fault, on Lightning's ``on_exception``,
+and at the trainer process's exit."""
+
+import atexit
+import datetime
 import hashlib
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,9 +47,29 @@ from lightning_mixedfsdp.recipes.rl import sync_wire
 from lightning_mixedfsdp.recipes.rl.rollouts import Rollout
 
 GENERATOR_MODULE = "lightning_mixedfsdp.recipes.run.generator_process"
-LAUNCH_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-                      "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+LAUNCH_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "ROLE_RANK",
+                      "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
 """The trainers' launch variables, left out of a generator's environment: it is a world of its own."""
+LAUNCHER_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "LSF_")
+"""Variables of launchers and schedulers that Lightning's cluster environments read (torchrun's agent store under
+``TORCHELASTIC_USE_AGENT_STORE`` made a generator's world of one wait for a store that is not there), left out too."""
+JOIN_POLL_S = 1.0
+"""How often trainer rank 0 looks at the generator processes while it waits for them to join."""
+ERROR_FILE = "generator_{rank}_error.txt"
+"""The traceback a generator process leaves in the run's temporary folder before it exits on an error."""
+
+
+def generator_environment(environment: Mapping[str, str]) -> Dict[str, str]:
+    """``environment`` without the trainers' launch variables and any launcher's or scheduler's."""
+    return {
+        name: value
+        for name, value in environment.items()
+        if name not in LAUNCH_ENVIRONMENT and not name.startswith(LAUNCHER_PREFIXES)
+    }
+
+
+class GeneratorDied(RuntimeError):
+    """A generator process exited while the trainers needed it."""
 
 
 @dataclass
@@ -65,26 +99,99 @@ class GeneratorRanks:
         self.pending: Optional[int] = None
         self.layout_sent = False
         self.folder: Optional[Path] = None
+        self.failure: Optional[str] = None  # rank 0: what went wrong with a generator, told to every rank next
 
     @property
     def bridge(self) -> bool:
         return dist.get_rank() == 0
 
     def start(self) -> None:
-        """Trainer rank 0 starts the generators and joins their process group (every trainer rank calls)."""
-        if not self.bridge:
-            return
+        """Trainer rank 0 starts the generators and waits for each to join their process group, looking at the
+        processes meanwhile; every trainer rank calls, and every one raises if a generator exited first."""
+        if self.bridge:
+            try:
+                self._start_processes()
+            except GeneratorDied as died:
+                self.failure = str(died)
+        self._raise_on_every_rank("starting")
+
+    def _start_processes(self) -> None:
         store = rendezvous_store("127.0.0.1", 0, 1 + self.count, True, self.timeout_s)
         self.folder = Path(tempfile.mkdtemp(prefix="generator_ranks_"))  # removed at close
+        atexit.register(self.terminate)  # an exception Lightning hands to no hook: stopped at the process's exit
         recipe_file = self.folder / "recipe.pkl"
         recipe_file.write_bytes(pickle.dumps(self.recipe))
-        environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENVIRONMENT}
+        environment = generator_environment(os.environ)
         for rank in range(1, 1 + self.count):
             command = [sys.executable, "-m", GENERATOR_MODULE, str(recipe_file), f"127.0.0.1:{store.port}",
                        str(rank), str(1 + self.count)]  # fmt: skip
             self.processes.append(subprocess.Popen(command, env=environment))
+        joined = [f"joined/{rank}" for rank in range(1, 1 + self.count)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                store.wait(joined, datetime.timedelta(seconds=JOIN_POLL_S))
+                break
+            except RuntimeError:  # not all of them yet (torch's DistStoreError on the wait's timeout)
+                self._check_processes("while starting")
+                if time.monotonic() > deadline:
+                    raise GeneratorDied(f"{self._who()} did not join within {self.timeout_s:.0f} s") from None
         self.group = standalone_gloo_group(store, 0, 1 + self.count, self.timeout_s)
         self._store = store
+
+    def _check_processes(self, when: str) -> None:
+        """Raise :class:`GeneratorDied` naming each generator process that has exited, with its exit code and the
+        traceback it left."""
+        dead = [(rank, process) for rank, process in enumerate(self.processes, 1) if process.poll() is not None]
+        if dead:
+            raise GeneratorDied("; ".join(self._death(rank, process, when) for rank, process in dead))
+
+    def _death(self, rank: int, process: subprocess.Popen, when: str) -> str:
+        code = process.returncode
+        try:
+            signal_name = f" ({signal.Signals(-code).name})" if code < 0 else ""
+        except ValueError:  # not a signal this platform names
+            signal_name = ""
+        said = f"generator rank {rank} (pid {process.pid}) exited {when} with exit code {code}{signal_name}"
+        error = self.folder / ERROR_FILE.format(rank=rank) if self.folder is not None else None
+        if error is not None and error.exists():
+            said += f"; its traceback:\n{error.read_text()}"
+        else:
+            said += "; it left no traceback (killed, or out of memory): see its output above and the system's log"
+        return said
+
+    def _who(self) -> str:
+        return f"generator rank(s) {list(range(1, 1 + self.count))}"
+
+    def _guarded(self, when: str, talk: Callable[[], Any]) -> Any:
+        """Rank 0's exchange with the generators; a failure that a dead generator explains is kept for every rank
+        (the collective at hand goes on without the generators); one no generator explains is raised as it is."""
+        if self.failure is not None:
+            return None
+        try:
+            return talk()
+        except RuntimeError as error:
+            self.failure = self._explained(error, when)
+            return None
+
+    def _explained(self, error: RuntimeError, when: str) -> str:
+        for _ in range(50):  # the process a closed connection came from may take a moment to be reaped
+            try:
+                self._check_processes(when)
+            except GeneratorDied as died:
+                return str(died)
+            time.sleep(0.1)
+        raise error
+
+    def _raise_on_every_rank(self, when: str) -> None:
+        """Rank 0's failure, if any, on every trainer rank (one broadcast): each raises, rank 0 stops the
+        generators first."""
+        verdict: List[Any] = [self.failure]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            if self.bridge:
+                self.terminate()
+            raise GeneratorDied(f"GroupRelativePolicyOptimization: {when}: {verdict[0]}")
 
     def rollout(
         self, model: nn.Module, keep_fp32: Collection[str], index: int, step: int, prompts: List[int],
@@ -109,58 +216,72 @@ class GeneratorRanks:
         if version == self.synced_version:
             return
         group = self.group
+        when = f"in the weight sync of version {version}"
         if self.bridge and not self.layout_sent:
             tensors, _ = streamed_tensors(model, adapters_only=False)
-            sync_wire.send_command(group, sync_wire.LAYOUT)
-            sync_wire.broadcast_object(group, [(p.name, tuple(p.shape), str(p.dtype)) for p in tensors])
+            layout = [(p.name, tuple(p.shape), str(p.dtype)) for p in tensors]
+
+            def send_layout() -> None:
+                sync_wire.send_command(group, sync_wire.LAYOUT)
+                sync_wire.broadcast_object(group, layout)
+
+            self._guarded(when, send_layout)
             self.layout_sent = True
         if self.bridge:
-            sync_wire.send_command(group, sync_wire.WEIGHTS, version, count=int(verify))
+            self._guarded(when, lambda: sync_wire.send_command(group, sync_wire.WEIGHTS, version, count=int(verify)))
         digest = hashlib.sha256()
         # the model's own names: a generator holds the trainers' model class and receives into its params
         for bucket in stream_buckets(model, keep_fp32, self.bucket_bytes, None, 0, checkpoint_names=False):
             for _, tensor in bucket:  # rank 0's bucket: whole tensors; the others' are empty
-                sync_wire.send_tensor(group, tensor)
+                self._guarded(when, lambda: sync_wire.send_tensor(group, tensor))  # noqa: B023  # called at once
                 if verify:
                     digest.update(sync_wire.tensor_bytes(tensor))
             bucket.clear()  # sent: one bucket held at a time
         self.synced_version = version
-        if verify:
-            self._check_digests(digest.hexdigest(), version)
-
-    def _check_digests(self, sent: str, version: int) -> None:
-        """Every generator's hash of its params against ``sent``, decided on rank 0, raised on every trainer rank."""
-        verdict: List[Any] = [None]
-        if self.bridge:
-            held = [sync_wire.receive_object(self.group, rank) for rank in range(1, 1 + self.count)]
-            verdict = [[rank for rank, digest in enumerate(held, start=1) if digest != sent]]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            raise RuntimeError(
-                f"GroupRelativePolicyOptimization: after the weight sync of version {version}, generator rank(s)"
-                f" {verdict[0]} hold other params than the trainers sent (SHA-256 differs); report this with the"
-                " recipe and the model class"
+        mismatched: List[int] = []
+        if verify and self.bridge:
+            held = self._guarded(when, lambda: [sync_wire.receive_object(group, rank) for rank in self._ranks()])
+            mismatched = [rank for rank, value in enumerate(held or [], start=1) if value != digest.hexdigest()]
+        if mismatched:
+            self.failure = (
+                f"after the weight sync of version {version}, generator rank(s) {mismatched} hold other params than"
+                " the trainers sent (SHA-256 differs); report this with the recipe and the model class"
             )
+        self._raise_on_every_rank(when)
+
+    def _ranks(self) -> range:
+        return range(1, 1 + self.count)
 
     def request(self, index: int, version: int, prompt_indices: List[int], seed: int) -> None:
         """Ask for rollout ``index``: every trainer rank's prompts (their indices in the training set)."""
         every_rank: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every_rank, prompt_indices)
         if self.bridge:
-            sync_wire.send_command(self.group, sync_wire.REQUEST, version, index, len(every_rank))
-            sync_wire.broadcast_object(self.group, {"index": index, "version": version, "seed": seed,
-                                                    "prompts": every_rank})  # fmt: skip
+            asked = {"index": index, "version": version, "seed": seed, "prompts": every_rank}
+
+            def ask() -> None:
+                sync_wire.send_command(self.group, sync_wire.REQUEST, version, index, len(every_rank))
+                sync_wire.broadcast_object(self.group, asked)
+
+            self._guarded(f"asking for rollout {index}", ask)
         self.pending = index
 
     def receive(self, device: torch.device) -> Produced:
         """This trainer rank's part of the pending rollout."""
         every_rank: List[Any] = [None]
+        when = f"in rollout {self.pending}"
         if self.bridge:
             ranks = dist.get_world_size()
-            every_rank = [[sync_wire.receive_object(self.group, 1 + r % self.count) for r in range(ranks)]]
+            replies = self._guarded(when, lambda: [sync_wire.receive_object(self.group, 1 + r % self.count)
+                                                   for r in range(ranks)])  # fmt: skip
+            every_rank = [replies if replies is not None else [{"died": self.failure}] * ranks]
         dist.broadcast_object_list(every_rank, src=0)
         mine = every_rank[0][dist.get_rank()]
         self.pending = None
+        if "died" in mine:
+            if self.bridge:
+                self.terminate()
+            raise GeneratorDied(f"GroupRelativePolicyOptimization: {when}: {mine['died']}")
         if "error" in mine:
             raise RuntimeError(f"GroupRelativePolicyOptimization: a generator rank failed:\n{mine['error']}")
         tensors = [
@@ -170,17 +291,31 @@ class GeneratorRanks:
         return Produced(rollout, mine["rewards"].to(device), mine["means"], mine["version"])
 
     def close(self) -> None:
-        """Stop the generators and wait for them (killed after a minute)."""
-        if self.group is not None:
+        """Stop the generators: told to stop where they are listening (no fault, no rollout outstanding, which
+        they would be sending), terminated otherwise; the temporary folder removed."""
+        if self.group is not None and self.failure is None and self.pending is None:
             try:
                 sync_wire.send_command(self.group, sync_wire.STOP)
             except RuntimeError:  # a generator already gone: nothing to stop
                 pass
+            for process in self.processes:
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+        self.terminate()
+
+    def terminate(self) -> None:
+        """Stop every generator process still running (SIGTERM, then SIGKILL after 10 s) and remove the folder."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
         for process in self.processes:
             try:
-                process.wait(timeout=60)
+                process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+                process.wait()
         self.processes, self.group = [], None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

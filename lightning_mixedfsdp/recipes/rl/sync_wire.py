@@ -10,7 +10,7 @@ trainer, 1..N: the generators), each message with the group object's own collect
 Tensors travel on the CPU (gloo): a CUDA tensor is copied to the host for the send."""
 
 import io
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -77,12 +77,14 @@ def send_tensor(group: Any, tensor: Tensor) -> None:
     broadcast(group, tensor.detach().contiguous().cpu())
 
 
-def receive_tensor_into(group: Any, target: Tensor) -> None:
-    """A whole tensor into ``target`` (a generator's param or buffer, whole), in place."""
-    if target.device.type == "cpu" and target.is_contiguous():
+def receive_tensor_into(group: Any, target: Tensor, dtype: Optional[torch.dtype] = None) -> None:
+    """A whole tensor, sent in ``dtype`` (None: the target's), into ``target`` (a generator's param or buffer, whole),
+    in place."""
+    dtype = dtype or target.dtype
+    if target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype:
         broadcast(group, target)
         return
-    staging = torch.empty(target.shape, dtype=target.dtype)
+    staging = torch.empty(target.shape, dtype=dtype)
     broadcast(group, staging)
     target.copy_(staging)
 

@@ -28,7 +28,7 @@ from lightning_mixedfsdp.recipes.objectives.grpo import needed_fields
 from lightning_mixedfsdp.recipes.objectives.objective import build_model
 from lightning_mixedfsdp.recipes.rl import sync_wire
 from lightning_mixedfsdp.recipes.rl.generation import generate
-from lightning_mixedfsdp.recipes.rl.generator_ranks import seed_of
+from lightning_mixedfsdp.recipes.rl.generator_ranks import ERROR_FILE, seed_of
 from lightning_mixedfsdp.recipes.rl.rewards import load_rewards, score_completions
 from lightning_mixedfsdp.recipes.rl.rollouts import Sampling
 from lightning_mixedfsdp.recipes.run.runner import strategy_config
@@ -49,7 +49,8 @@ def policy_alone(recipe: Recipe, sync_rank: int) -> Any:
     fabric = Fabric(accelerator=recipe.trainer.accelerator, devices=devices, strategy=strategy,
                     precision=recipe.trainer.precision)  # type: ignore[arg-type]  # fmt: skip
     fabric.launch()
-    return fabric.setup_module(build_model(recipe.model, PeftSection()))
+    model = fabric.setup_module(build_model(recipe.model, PeftSection()))
+    return model.train(not recipe.rl.disable_dropout)  # the trainers' mode in their RL forwards
 
 
 def whole_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -60,25 +61,52 @@ def whole_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def check_layout(layout: sync_wire.Layout, tensors: Dict[str, torch.Tensor], model: nn.Module) -> None:
-    """The trainers' streamed tensors against this rank's own: same names, shapes and dtypes (the same plan)."""
+    """The trainers' streamed tensors against this rank's own, both ways: same names and shapes, dtypes that hold
+    what is sent (the same, or a floating dtype as wide or wider: under ``bf16-mixed`` a PEFT policy's trainers keep
+    the frozen base in bf16, merged with its adapters as it streams, where the generator's policy, all trainable,
+    stores fp32), and every tensor of its state dict received (a tensor the trainers do not send would keep its
+    initial values); a tied copy of a received tensor is received with it."""
     problems = []
     for name, shape, dtype in layout:
         mine = tensors.get(name)
         if mine is None:
             problems.append(f"{name} is not in the generator's {type(unwrap_model(model)).__name__}")
-        elif tuple(mine.shape) != shape or str(mine.dtype) != dtype:
+        elif tuple(mine.shape) != shape or not holds(mine.dtype, sent_dtype(dtype)):
             problems.append(
                 f"{name}: trainers send {shape} {dtype}, the generator holds {tuple(mine.shape)} {mine.dtype}"
             )
+    sent = {name for name, _, _ in layout}
+    received_storage = {tensors[name].untyped_storage().data_ptr() for name in sent if name in tensors}
+    for name in state_dict_names(model):
+        mine = tensors.get(name)  # None: no tensor (a module's extra state)
+        if name not in sent and mine is not None and mine.untyped_storage().data_ptr() not in received_storage:
+            problems.append(f"{name} of the generator's policy is not among the tensors the trainers send")
     if problems:
         raise RuntimeError("generator rank: the trainers' weights do not fit its policy: " + "; ".join(problems[:5]))
+
+
+def sent_dtype(name: str) -> torch.dtype:
+    """``"torch.bfloat16"`` -> ``torch.bfloat16``."""
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def holds(held: torch.dtype, sent: torch.dtype) -> bool:
+    """Whether a tensor of dtype ``held`` takes a sent ``sent`` tensor's values exactly."""
+    if held == sent:
+        return True
+    return held.is_floating_point and sent.is_floating_point and torch.finfo(held).bits >= torch.finfo(sent).bits
+
+
+def state_dict_names(model: nn.Module) -> List[str]:
+    """The canonical names of the tensors ``model``'s state dict holds (params and persistent buffers)."""
+    return [canonical_name(name) for name in unwrap_model(model).state_dict(keep_vars=True)]
 
 
 class Server:
     """One generator rank's state: its policy, the training prompts, the reward, the weights' version."""
 
-    def __init__(self, recipe: Recipe, model: nn.Module, group: Any, sync_rank: int, generators: int) -> None:
-        self.recipe, self.model, self.group = recipe, model, group
+    def __init__(self, recipe: Recipe, model: nn.Module, sync_rank: int, generators: int) -> None:
+        self.recipe, self.model, self.group = recipe, model, None
         self.sync_rank, self.generators = sync_rank, generators
         tokenizer = make_tokenizer(recipe.data.tokenizer, recipe.data.trust_remote_code)
         self.maker = ExampleMaker(recipe.data, PROMPTS, tokenizer)
@@ -89,7 +117,9 @@ class Server:
         self.layout: sync_wire.Layout = []
         self.version = -1
 
-    def serve(self) -> None:
+    def serve(self, group: Any) -> None:
+        """Answer the trainers over ``group`` until told to stop."""
+        self.group = group
         while True:
             kind, version, _, verify = sync_wire.receive_command(self.group)
             if kind == sync_wire.STOP:
@@ -98,13 +128,13 @@ class Server:
                 self.layout = sync_wire.broadcast_object(self.group, sending=False)
                 check_layout(self.layout, self.tensors, self.model)
             elif kind == sync_wire.WEIGHTS:
-                for name, _, _ in self.layout:
-                    sync_wire.receive_tensor_into(self.group, self.tensors[name])
+                for name, _, dtype in self.layout:
+                    sync_wire.receive_tensor_into(self.group, self.tensors[name], sent_dtype(dtype))
                 self.version = version
                 if verify:  # the params as this rank holds them now, in the order sent
                     digest = hashlib.sha256()
-                    for name, _, _ in self.layout:
-                        digest.update(sync_wire.tensor_bytes(self.tensors[name]))
+                    for name, _, dtype in self.layout:  # in the dtype sent (a wider one holds it exactly)
+                        digest.update(sync_wire.tensor_bytes(self.tensors[name].to(sent_dtype(dtype))))
                     sync_wire.send_object(self.group, digest.hexdigest(), 0)
             elif kind == sync_wire.REQUEST:
                 self.answer(sync_wire.broadcast_object(self.group, sending=False))
@@ -137,12 +167,19 @@ class Server:
 
 def main(argv: List[str]) -> None:
     recipe_file, address, sync_rank, sync_size = argv[0], argv[1], int(argv[2]), int(argv[3])
-    recipe: Recipe = pickle.loads(Path(recipe_file).read_bytes())
-    model = policy_alone(recipe, sync_rank)
-    host, port = address.rsplit(":", 1)
-    store = rendezvous_store(host, int(port), sync_size, False, 1800.0)
-    group = standalone_gloo_group(store, sync_rank, sync_size, 1800.0)
-    Server(recipe, model, group, sync_rank, sync_size - 1).serve()
+    try:
+        recipe: Recipe = pickle.loads(Path(recipe_file).read_bytes())
+        model = policy_alone(recipe, sync_rank)
+        host, port = address.rsplit(":", 1)
+        server = Server(recipe, model, sync_rank, sync_size - 1)  # the tokenizer, the prompts, the reward: loaded
+        store = rendezvous_store(host, int(port), sync_size, False, 1800.0)
+        store.set(f"joined/{sync_rank}", "1")  # trainer rank 0 waits for these while it watches the processes
+        server.serve(standalone_gloo_group(store, sync_rank, sync_size, 1800.0))
+    except BaseException:
+        # the trainers name this generator, its exit code and this traceback
+        error_file = Path(recipe_file).parent / ERROR_FILE.format(rank=sync_rank)
+        error_file.write_text(traceback.format_exc())
+        raise
 
 
 if __name__ == "__main__":

@@ -245,6 +245,11 @@ class RlSection:
     reference: Optional[str] = None
     """With ``beta`` > 0, the reference: ``copy`` (a frozen copy of ``model.pretrained``) or ``adapters_off`` (peft:
     the policy's base); unset: ``adapters_off`` with peft, ``copy`` without."""
+    disable_dropout: bool = True
+    """Run the policy in eval mode in every RL forward (sampling, the trainer's log-probs, the reference, the trained
+    forward; on generator ranks too): with dropout on, each of mu, pi_old and pi_theta would see its own dropout mask
+    (LoRA's, attention's), and the ratios would measure the masks (trl's ``disable_dropout``, verl's eval-mode
+    log-probs). False keeps the model's modes as Lightning sets them."""
     fp32_head: bool = True
     """Compute the output head's matmul and the logits in fp32 (its storage stays bf16): the model's output
     embedding is added to ``strategy.dtypes.fp32_compute_modules``. False: the head computes in the bulk dtype."""
