@@ -25,6 +25,7 @@ SLOW_MODULES = frozenset(
         "tests/recipes/test_distillation.py",
         "tests/recipes/test_preference.py",
         "tests/recipes/test_grpo.py",
+        "tests/recipes/test_generator_edges.py",
         "tests/recipes/test_rollouts.py",
         "tests/recipes/test_objectives.py",
         "tests/recipes/test_sft_data.py",

@@ -83,6 +83,7 @@ EXTRA = {
         mamba_d_state=8,
         mamba_expand=2,
     ),
+    "rwkv": dict(attention_hidden_size=32, context_length=128),
     "t5": dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
     "lfm2_moe": dict(**MOE, num_experts=4, num_dense_layers=1, layer_types=["conv", "full_attention"]),
 }

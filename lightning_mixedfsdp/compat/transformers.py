@@ -89,6 +89,8 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 """``config.layer_types`` values whose cache holds attention keys and values only. Every other value (5.23 to 5.25:
 ``linear_attention`` for Mamba, Mamba-2, Jamba, Qwen3-Next; ``hybrid`` for Falcon-H1; and any type a later release
 adds) marks a layer with a recurrent state."""
+STATEFUL_WITHOUT_LAYER_TYPES = frozenset({"rwkv", "xlstm"})
+"""Recurrent models whose config has no ``layer_types`` (transformers 5.23-5.24 marked them ``_is_stateful``)."""
 
 
 def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str, Any], Dict[str, Any]]]:
@@ -96,8 +98,9 @@ def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str
     tensor}`` (None where the class converts nothing): transformers 5 holds some weights fused (an MoE's
     ``mlp.experts.gate_up_proj``) that checkpoints, and the serving engines' loaders (vLLM's, SGLang's
     ``load_weights``), keep per expert (``mlp.experts.0.gate_proj.weight``, ...). Each conversion is reversed on its
-    own tensor (every 5.23-5.25 MoE conversion fuses per-expert tensors into one, so its reverse takes one), on a shell
-    of the class built on the meta device (FSDP's dynamic subclass would be taken for custom code). Internal
+    own tensor (an MoE conversion fuses per-expert tensors into one, so its reverse takes one; a class whose conversion
+    splits one checkpoint tensor into several of its own, HRM's ``gqkv_proj``, raises ``NotImplementedError``), on a
+    shell of the class built on the meta device (FSDP's dynamic subclass would be taken for custom code). Internal
     ``core_model_loading.revert_weight_conversion`` and ``conversion_mapping.get_model_conversion_mapping`` (5.23 to
     5.25, checked against ``save_pretrained``'s keys and values)."""
     import torch
@@ -105,15 +108,27 @@ def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str
 
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import WeightConverter, revert_weight_conversion
     except ImportError as err:
         raise gone("transformers", "core_model_loading.revert_weight_conversion") from err
     if not issubclass(model_class, PreTrainedModel):
         return None
     with torch.device("meta"):
         shell = model_class._from_config(config)
-    if not get_model_conversion_mapping(shell, add_legacy=False):
+    conversions = get_model_conversion_mapping(shell, add_legacy=False)
+    if not conversions:
         return None
+    joined = [c for c in conversions if isinstance(c, WeightConverter) and len(c.target_patterns) > 1]
+    if joined:  # several model tensors make one checkpoint tensor: reversing them needs them together
+        targets, sources = (
+            ", ".join(map(str, joined[0].target_patterns)),
+            ", ".join(map(str, joined[0].source_patterns)),
+        )
+        raise NotImplementedError(
+            f"stream_weights: {model_class.__name__} splits checkpoint tensors into several of its own ({targets}"
+            f" from {sources}), and the stream reverses one tensor at a time; pass checkpoint_names=False for the"
+            " model's own names (and map them in the engine), or export with strategy.export_safetensors"
+        )
     return lambda name, tensor: dict(revert_weight_conversion(shell, {name: tensor}))
 
 
@@ -126,16 +141,24 @@ def decodes_with_cache(model: nn.Module) -> bool:
 
     Read off the public ``config.layer_types`` (the decoder's, for an image-text model), which transformers'
     ``DynamicCache(config=...)`` builds its cache layers from: every type must be an attention type
-    (:data:`ATTENTION_LAYER_TYPES`); a config without ``layer_types`` is all full attention (Llama). Checked on 5.23,
-    5.24 and 5.25 against the private ``_is_stateful`` those versions (but 5.25) set. An unknown type decodes without
-    a cache: slower, never another distribution. Asked through a peft wrapper, which forwards attribute reads to the
-    model inside."""
-    config = getattr(model, "config", None)
+    (:data:`ATTENTION_LAYER_TYPES`); a config without ``layer_types`` is all full attention (Llama), unless its model
+    type is a recurrent one that has none (:data:`STATEFUL_WITHOUT_LAYER_TYPES`); and the model's ``forward`` must
+    name the cache argument (:func:`cache_keyword`; RWKV's takes a ``state`` instead). Checked on 5.23, 5.24 and 5.25
+    against the private ``_is_stateful`` those versions (but 5.25) set. An unknown type decodes without a cache:
+    slower, never another distribution. Asked of a peft wrapper's base model."""
+    import inspect
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    config = getattr(inner, "config", None)
     if config is None:
         return True
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "model_type", None) in STATEFUL_WITHOUT_LAYER_TYPES:
+        return False
     types = getattr(text_config, "layer_types", None) or ()
-    return all(layer_type in ATTENTION_LAYER_TYPES for layer_type in types)
+    if not all(layer_type in ATTENTION_LAYER_TYPES for layer_type in types):
+        return False
+    return cache_keyword() in inspect.signature(type(inner).forward).parameters
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ the stages', chosen by the ``pipeline_stage`` keyword (several stages per rank s
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 from torch import Tensor, nn
 
@@ -93,27 +93,36 @@ def _block(blocks: nn.Module, index: int) -> nn.Module:
 
 PROBE_ELEMENTS = 2_000_000_000
 """Models of more parameter elements than this are not probed at setup (a forward of the whole model on one rank)."""
-PROBE_TOLERANCE = 1e-4
+PROBE_TOLERANCE = 1e-6
 """The largest difference, relative to the output's largest magnitude, between the composed stages and the model's
-forward that counts as the same computation (the same modules in the same order agree to the bit; a forward that
-scales, soft-caps or adds anything differs by far more)."""
+forward that counts as the same computation: the same modules in the same order agree to the bit (the Llama family's
+stages differ by exactly 0.0 in fp32 and bf16), and a forward that scales, soft-caps or adds anything differs by more
+(a soft-cap of 30 on logits of order 1 by about 1e-4)."""
 
 
-def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> Optional[float]:
+class ProbeResult(NamedTuple):
+    gap: Optional[float]
+    """The largest difference relative to the forward's largest magnitude (inf where the two differ in shape or
+    in where they are not finite); None where no probe ran."""
+    reason: str
+    """Why no probe ran (empty where one did)."""
+
+
+def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> ProbeResult:
     """Run a probe through ``model``'s own forward and through every stage's forward in order (the model still whole,
-    in eval mode, no grad); the largest difference relative to the forward's largest magnitude. None where no probe
-    can run: params on the meta device, a model larger than :data:`PROBE_ELEMENTS`, a first module that takes
-    neither token ids (``nn.Embedding``) nor features (``nn.Linear``), or an output that holds no tensor."""
+    in eval mode, no grad; every module's mode restored after), and compare."""
     import torch
 
     params = list(model.parameters())
-    if not params or any(p.is_meta for p in params) or sum(p.numel() for p in params) > PROBE_ELEMENTS:
-        return None
+    if not params or any(p.is_meta for p in params):
+        return ProbeResult(None, "its params are on the meta device")
+    if sum(p.numel() for p in params) > PROBE_ELEMENTS:
+        return ProbeResult(None, f"it has more than {PROBE_ELEMENTS:.0e} parameter elements")
     probe = _probe_input(model, layout, params[0].device)
     if probe is None:
-        return None
+        return ProbeResult(None, "its first module takes neither token ids (nn.Embedding) nor features (nn.Linear)")
     run = _hf_decoder_stage if layout.family == HF_DECODER else _sequence_stage
-    training = model.training
+    modes = {module: module.training for module in model.modules()}
     model.eval()
     try:
         with torch.no_grad():
@@ -121,14 +130,19 @@ def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[S
             hidden = probe
             for stage in stages:
                 hidden = run(model, stage, hidden)
-    except Exception:  # noqa: BLE001  # a probe the model does not take: nothing is known, nothing is claimed
-        return None
+    except Exception as error:  # noqa: BLE001  # a probe the model does not take: nothing is known, said so
+        return ProbeResult(None, f"its forward raised on a probe of shape {tuple(probe.shape)}: {error!r}")
     finally:
-        model.train(training)
-    if expected is None or expected.shape != hidden.shape:
-        return None if expected is None else float("inf")
-    scale = expected.detach().float().abs().max().clamp_min(1e-6)
-    return float((expected.float() - hidden.float()).abs().max() / scale)
+        for module, training in modes.items():
+            module.training = training
+    if expected is None:
+        return ProbeResult(None, "its forward returns no tensor (nor an output with logits)")
+    finite = torch.isfinite(expected)
+    if expected.shape != hidden.shape or not torch.equal(finite, torch.isfinite(hidden)):
+        return ProbeResult(float("inf"), "")
+    scale = expected[finite].float().abs().max().clamp_min(1e-6) if finite.any() else expected.new_ones(())
+    gap = (expected[finite].float() - hidden[finite].float()).abs().max() if finite.any() else scale * 0
+    return ProbeResult(float(gap / scale), "")
 
 
 def _probe_input(model: nn.Module, layout: BlockLayout, device: Any) -> Optional[Tensor]:

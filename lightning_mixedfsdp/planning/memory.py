@@ -103,15 +103,17 @@ def _gathered_bytes(plan: ShardPlan) -> int:
 
 def unsharded_step_bytes(plan: ShardPlan) -> int:
     """What a pipeline stage holds beyond its training state during a step: every sharded param unsharded (in its
-    compute dtype) and every trainable one's unsharded grad (the same size) from the first micro-batch's forward to
-    the step's one reduce-scatter, since gradient sync and resharding are off across the micro-batches (torch's
-    schedules and torchtitan alike). Replicated params are whole already."""
+    compute dtype) and every trainable one's unsharded grad (accumulated in its reduce dtype: FSDP2 upcasts an
+    accumulated grad to the reduce dtype while sync is off) from the first micro-batch's forward to the step's one
+    reduce-scatter, since gradient sync and resharding are off across the micro-batches (torch's schedules and
+    torchtitan alike). Replicated params are whole already."""
     total = 0
     for param in plan.params.values():
         if param.replicated:
             continue
-        gathered = _gathered_param_bytes(param)
-        total += gathered * (2 if param.requires_grad else 1)
+        total += _gathered_param_bytes(param)
+        if param.requires_grad:
+            total += math.prod(param.shape) * param.key.reduce.itemsize
     return total
 
 

@@ -22,6 +22,7 @@ STATEFUL = {
     "jamba": True,
     "falcon_h1": True,
     "qwen3_next": True,
+    "rwkv": True,  # no layer_types at all: its forward takes a state, not a cache
     "lfm2_moe": True,  # a short convolution's rolling state: 5.23-5.24 did not mark it stateful; decoded without
 }  # a cache here (slower, never another distribution)
 
@@ -34,6 +35,14 @@ def test_stateful_models_are_found_from_their_config(model_type: str) -> None:
     legacy = getattr(type(model), "_is_stateful", None)  # 5.23 and 5.24 set it; 5.25 removed it
     if legacy:  # every model those releases marked stateful is found stateful
         assert STATEFUL[model_type]
+
+
+def test_a_peft_wrapped_model_is_asked_of_its_base() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"):
+        model = model_class("llama").from_config(tiny_config("llama"))
+    assert compat.decodes_with_cache(get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])))
 
 
 def test_an_image_text_model_is_asked_of_its_decoder() -> None:
@@ -80,3 +89,31 @@ def test_the_cache_keyword_raises_when_the_output_has_neither_name(monkeypatch: 
             compat.cache_keyword()
     finally:
         compat.cache_keyword.cache_clear()
+
+
+def test_checkpoint_names_of_a_class_that_splits_a_checkpoint_tensor_are_refused() -> None:
+    """HRM's checkpoint holds ``mlp.gate_up_proj`` that the model splits in two: reversed one tensor at a time, the
+    stream would send each half under the fused name."""
+    from transformers import HrmTextConfig, HrmTextForCausalLM
+
+    config = HrmTextConfig(vocab_size=64, hidden_size=48, num_hidden_layers=2)
+    with pytest.raises(
+        NotImplementedError, match="HrmTextForCausalLM splits checkpoint tensors .* checkpoint_names=False"
+    ):
+        compat.checkpoint_tensors(HrmTextForCausalLM, config)
+
+
+def test_checkpoint_names_of_an_moe_are_what_save_pretrained_writes(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.hf_models import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    convert = compat.checkpoint_tensors(type(model), model.config)
+    assert convert is not None
+    streamed = {k: v for name, tensor in model.state_dict().items() for k, v in convert(name, tensor).items()}
+    model.save_pretrained(Path(str(tmp_path)))
+    saved = load_file(Path(str(tmp_path)) / "model.safetensors")
+    assert streamed.keys() >= saved.keys() and all(torch.equal(streamed[k], v) for k, v in saved.items())

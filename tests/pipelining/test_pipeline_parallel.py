@@ -4,7 +4,7 @@ checkpoints move between pipeline sizes, and every refusal is raised on every ra
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -196,7 +196,17 @@ def _refusals(rank: int) -> Dict[str, str]:
     shared.model.layers[3].mlp.up_proj.weight = shared.model.layers[0].mlp.up_proj.weight
     refused("shared_across_stages", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(shared))
     refused("scaled_forward", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(ScaledBlocks()))
+    capped = ScaledBlocks(scale=1.0, cap=30.0)  # Gemma 2's soft-cap: at a random init's logits of order 1, ~1e-4 off
+    refused("soft_capped", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(capped))
     return out
+
+
+def _modes(rank: int) -> Dict[str, bool]:
+    """A module the user put in eval mode stays there through the setup's probe."""
+    model = llama()
+    model.model.layers[3].eval()
+    model = make_fabric(WORLD, "32-true", pipelined()).setup(model)
+    return {name: module.training for name, module in unwrap(model).named_modules() if name.endswith("layers.3")}
 
 
 class ScaledBlocks(nn.Module):
@@ -205,18 +215,20 @@ class ScaledBlocks(nn.Module):
 
     pipeline_blocks = "layers"
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 2.0, cap: Optional[float] = None) -> None:
         super().__init__()
+        self.scale, self.cap = scale, cap
         torch.manual_seed(0)
         self.embed = nn.Embedding(64, 16)
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(LAYERS))
         self.head = nn.Linear(16, 64)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(tokens) * 2.0
+        hidden = self.embed(tokens) * self.scale
         for layer in self.layers:
             hidden = layer(hidden)
-        return self.head(hidden)
+        logits = self.head(hidden)
+        return logits if self.cap is None else self.cap * torch.tanh(logits / self.cap)
 
 
 def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
@@ -225,6 +237,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         "bf16": _bf16_stages(rank, folder),
         "checkpoints": _checkpoints(rank, folder),
         "refusals": _refusals(rank),
+        "modes": _modes(rank),
     }
 
 
@@ -376,6 +389,8 @@ REFUSALS = {
     " (stage 0))",
     "scaled_forward": "ValueError: MixedFSDP2Strategy (ScaledBlocks): ScaledBlocks's pipeline stages, run in order, do"
     " not compute what ScaledBlocks.forward computes",
+    "soft_capped": "ValueError: MixedFSDP2Strategy (ScaledBlocks): ScaledBlocks's pipeline stages, run in order, do"
+    " not compute what ScaledBlocks.forward computes",
 }
 
 
@@ -383,3 +398,8 @@ REFUSALS = {
 def test_each_refusal_is_raised_on_every_rank_with_its_fix(results: list, case: str) -> None:
     for result in results:
         assert result["refusals"][case].startswith(REFUSALS[case]), result["refusals"][case]
+
+
+def test_the_setups_probe_leaves_each_modules_mode_as_the_user_set_it(results: list) -> None:
+    held = {name: training for result in results for name, training in result["modes"].items()}
+    assert held == {"model.layers.3": False}

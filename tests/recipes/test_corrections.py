@@ -195,7 +195,8 @@ def test_unset_bounds_are_each_kinds_defaults() -> None:
     assert correction_of("icepop", "token", None) == Correction("icepop", "token", 0.5, 5.0)  # Ring-1T, NeMo RL
     # verl's geometric rejection: a mean log gap of 0.3 nats a token (inside [0, 2]) is far outside
     assert correction_of("mis", "geometric", None) == Correction("mis", "geometric", 0.999, 1.001)
-    assert correction_of("tis", "geometric", None) == Correction("tis", "geometric", 0.999, 1.001)
+    # truncation into so narrow a band would turn TIS off: it keeps [0, 2] at every level
+    assert correction_of("tis", "geometric", None) == Correction("tis", "geometric", 0.0, 2.0)
 
 
 @pytest.mark.parametrize(

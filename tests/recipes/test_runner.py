@@ -172,7 +172,14 @@ def test_the_export_loads_with_from_pretrained_and_equals_the_trained_model(runs
     with torch.no_grad():  # generate() recomputes the prefix (no KV cache): the same tokens as greedy by hand
         for _ in range(3):
             greedy = torch.cat([greedy, model(input_ids=greedy).logits[:, -1:].argmax(-1)], dim=1)
-    assert torch.equal(model.generate(tokens, max_new_tokens=3, do_sample=False), greedy)
+        out = model.generate(
+            tokens, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        # each step's logits are the trained model's on the whole sequence so far, to the bit (a cache this model
+        # never fills would feed it the newest token alone, and the tokens would agree only by luck)
+        for step, logits in enumerate(out.logits):
+            assert torch.equal(logits, reference(out.sequences[:, : tokens.shape[1] + step])[:, -1].float()), step
+    assert torch.equal(out.sequences, greedy)
 
 
 def test_the_export_has_a_byte_tokenizer_that_round_trips_text(runs: Dict[str, Any]) -> None:

@@ -39,7 +39,6 @@ class TinyLlamaHFConfig(PretrainedConfig):
         self.hidden_dim, self.mixer_layers, self.norm_eps = hidden_dim, list(mixer_layers or []), norm_eps
         self.keep_in_fp32 = list(keep_in_fp32 or [])
         """Anchored regexes of the tensors the checkpoint holds in fp32."""
-        kwargs.setdefault("use_cache", False)  # no KV cache: generation must pass the whole sequence each step
         super().__init__(**kwargs)
 
     def reference(self) -> TinyLlamaConfig:
@@ -79,6 +78,15 @@ class TinyLlamaForCausalLM(PreTrainedModel, GenerationMixin):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, (RMSNorm, Mixer)):
             module.reset_parameters()
+
+    @override
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """HF's ``generate`` without a KV cache (this model keeps none): each step runs the whole sequence, as
+        greedy decoding by hand does. The config cannot say ``use_cache=False``: transformers 5 pops generation
+        parameters from a config's kwargs, and ``generate`` would then build a cache this model never fills and
+        pass it only the newest token from the second step on."""
+        kwargs.setdefault("use_cache", False)
+        return super().generate(*args, **kwargs)
 
     @override
     def get_input_embeddings(self) -> nn.Embedding:

@@ -153,20 +153,23 @@ def reference_log_probs(
         return completion_log_probs(reference, rollout, temperature, vocab, top_p)
 
 
-def all_ranks_tokens(mask: Tensor) -> Optional[Tensor]:
-    """The completion tokens of every rank's rollout (DAPO's denominator); None in one process."""
-    return all_ranks_sum(mask.sum().float())
+def all_ranks_tokens(mask: Tensor, group: Any = None) -> Optional[Tensor]:
+    """The completion tokens of every data-parallel rank's rollout (DAPO's denominator); None in one process."""
+    return all_ranks_sum(mask.sum().float(), group)
 
 
-def all_ranks_completions(mask: Tensor) -> Optional[Tensor]:
-    """The completions of every rank's rollout that keep a token (GRPO's denominator); None in one process."""
-    return all_ranks_sum((mask.sum(-1) > 0).sum().float())
+def all_ranks_completions(mask: Tensor, group: Any = None) -> Optional[Tensor]:
+    """The completions of every data-parallel rank's rollout that keep a token (GRPO's denominator); None in one
+    process."""
+    return all_ranks_sum((mask.sum(-1) > 0).sum().float(), group)
 
 
-def all_ranks_sum(value: Tensor) -> Optional[Tensor]:
+def all_ranks_sum(value: Tensor, group: Any = None) -> Optional[Tensor]:
+    """``value`` summed over ``group`` (the data-parallel ranks: tensor-parallel ranks share one rollout, which
+    must count once)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    dist.all_reduce(value)
+    dist.all_reduce(value, group=group)
     return value
 
 
@@ -347,8 +350,9 @@ class GroupRelativePolicyOptimization(RolloutSource):
             mismatch = log_generator_mismatch(self, self.old_log_probs, generated, mask, self.correction, weights)
             if not self.mismatch_checked:  # the launch's first rollout
                 self.mismatch_checked = check_first_mismatch(mismatch, self.rl, str(self.trainer.precision), self.model)
-        all_tokens = all_ranks_tokens(weights.kept) if settings.loss == "dapo" else None
-        all_completions = all_ranks_completions(weights.kept) if settings.loss == "grpo" else None
+        group = self.data_parallel_group()
+        all_tokens = all_ranks_tokens(weights.kept, group) if settings.loss == "dapo" else None
+        all_completions = all_ranks_completions(weights.kept, group) if settings.loss == "grpo" else None
         model, reference, vocab = self.model, self.reference, self._vocab()
         reference_probs = reference_log_probs(
             self.reference_kind, model, reference, rollout, settings.temperature, vocab, settings.top_p

@@ -293,6 +293,12 @@ class Objective(pl.LightningModule, ABC):
         """The ranks whose gradients FSDP averages (context-parallel ranks share their rows)."""
         return int(self.trainer.strategy.distributed_sampler_kwargs["num_replicas"])  # type: ignore[attr-defined]
 
+    def data_parallel_group(self) -> Any:
+        """The process group of the ranks that see different batches, one of each tensor-parallel group (a count
+        summed over it counts each batch once); None: every rank does."""
+        meshes = getattr(self.trainer.strategy, "meshes", None)
+        return meshes.data_parallel.get_group() if meshes is not None else None
+
 
 def pipelined_step(objective: Objective, batch: Any) -> Tensor:
     """Every micro-batch's forward and backward through the stages, the clip (its norm over every stage), the

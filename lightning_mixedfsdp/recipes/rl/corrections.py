@@ -12,10 +12,11 @@ two differ: the generator decodes one token at a time, the trainer runs one forw
   ``w``;
 - ``icepop`` (Ring-1T): ``mis`` per token.
 
-The default bounds depend on the level (:func:`default_bounds`), from the anchors: [0, 2] per token and per
-sequence (TIS's cap of 2, Yao et al.; verl's ``rollout_is_threshold`` 2.0); [0.999, 1.001] for the geometric mean
-(verl's geometric rejection; NeMo RL uses 0.999-1.002), whose per-token mean log gap must stay tiny to mean anything
-(0.3 nats a token would pass [0, 2]); [0.5, 5] for IcePop (Ring-1T's alpha and beta, NeMo RL's comment). The log of a
+The default bounds depend on the level (:func:`default_bounds`), from the anchors: [0, 2] for truncation and for
+rejection per token and per sequence (TIS's cap of 2, Yao et al.; verl's ``rollout_is_threshold`` 2.0); [0.999, 1.001]
+for rejection by the geometric mean (verl's geometric rejection; NeMo RL uses 0.999-1.002), whose per-token mean log
+gap must stay tiny to mean anything (0.3 nats a token would pass [0, 2]; truncating into so narrow a band would turn
+TIS off, so ``tis`` keeps [0, 2]); [0.5, 5] for IcePop (Ring-1T's alpha and beta, NeMo RL's comment). The log of a
 weight is clamped to [-20, 20] before ``exp`` (verl's bound): a sequence's summed log gap grows with its length and
 would reach inf.
 
@@ -40,7 +41,7 @@ def default_bounds(kind: str, level: str) -> Tuple[float, float]:
     """The bounds of ``kind`` at ``level`` when ``rl.correction_bounds`` is unset (see the module's docstring)."""
     if kind == "icepop":
         return (0.5, 5.0)
-    if level == "geometric":
+    if level == "geometric" and kind == "mis":
         return (0.999, 1.001)
     return (0.0, 2.0)
 

@@ -53,6 +53,9 @@ LAUNCH_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RA
 LAUNCHER_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "LSF_")
 """Variables of launchers and schedulers that Lightning's cluster environments read (torchrun's agent store under
 ``TORCHELASTIC_USE_AGENT_STORE`` made a generator's world of one wait for a store that is not there), left out too."""
+EXPLAIN_WAIT_S = 30
+"""How long trainer rank 0 looks for a generator's exit after a failed exchange (a process tearing down a large
+device context can take seconds to exit)."""
 JOIN_POLL_S = 1.0
 """How often trainer rank 0 looks at the generator processes while it waits for them to join."""
 ERROR_FILE = "generator_{rank}_error.txt"
@@ -108,11 +111,14 @@ class GeneratorRanks:
     def start(self) -> None:
         """Trainer rank 0 starts the generators and waits for each to join their process group, looking at the
         processes meanwhile; every trainer rank calls, and every one raises if a generator exited first."""
+        self.synced_version, self.pending, self.layout_sent, self.failure = -1, None, False, None  # a new fit
         if self.bridge:
             try:
                 self._start_processes()
             except GeneratorDied as died:
                 self.failure = str(died)
+            except Exception as error:  # noqa: BLE001  # told to every rank, not raised on rank 0 alone
+                self.failure = f"starting the generators failed: {error!r}"
         self._raise_on_every_rank("starting")
 
     def _start_processes(self) -> None:
@@ -175,13 +181,15 @@ class GeneratorRanks:
             return None
 
     def _explained(self, error: RuntimeError, when: str) -> str:
-        for _ in range(50):  # the process a closed connection came from may take a moment to be reaped
+        """What ``error`` (a send or receive to the generators that failed) means: a generator process that exited,
+        named, or else the error itself; never raised on rank 0 alone (the other ranks wait in a collective)."""
+        for _ in range(EXPLAIN_WAIT_S * 10):  # a process whose connection closed may take a moment to be reaped
             try:
                 self._check_processes(when)
             except GeneratorDied as died:
                 return str(died)
             time.sleep(0.1)
-        raise error
+        return f"talking to {self._who()} {when} failed, and none had exited after {EXPLAIN_WAIT_S} s: {error!r}"
 
     def _raise_on_every_rank(self, when: str) -> None:
         """Rank 0's failure, if any, on every trainer rank (one broadcast): each raises, rank 0 stops the
@@ -282,8 +290,12 @@ class GeneratorRanks:
             if self.bridge:
                 self.terminate()
             raise GeneratorDied(f"GroupRelativePolicyOptimization: {when}: {mine['died']}")
-        if "error" in mine:
-            raise RuntimeError(f"GroupRelativePolicyOptimization: a generator rank failed:\n{mine['error']}")
+        failed = [(rank, reply["error"]) for rank, reply in enumerate(every_rank[0]) if "error" in reply]
+        if failed:  # every trainer rank raises, not only the one whose rollout failed
+            rank, error = failed[0]
+            raise RuntimeError(
+                f"GroupRelativePolicyOptimization: a generator rank failed on trainer rank {rank}'s rollout:\n{error}"
+            )
         tensors = [
             mine[k].to(device) for k in ("input_ids", "attention_mask", "completion_mask", "generator_log_probs")
         ]

@@ -66,7 +66,8 @@ def forward_logits(model: nn.Module, ids: Tensor, attention_mask: Tensor) -> Ten
     """The logits at every position of left-padded (and right-padded) rows, without a cache."""
     if isinstance(model, TinyLlama):
         return model(ids, reference_positions(attention_mask))
-    return model(input_ids=ids, attention_mask=attention_mask, position_ids=positions_of(attention_mask)).logits
+    positions = positions_of(attention_mask)
+    return model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).logits
 
 
 def within(logits: Tensor, vocab: Optional[int]) -> Tensor:
@@ -105,7 +106,14 @@ def completion_log_probs(
     the first column, never a completion token, 0 too), of the distribution sampled (:func:`token_log_probs`)."""
     ids = rollout.input_ids
     logits = forward_logits(model, ids, rollout.attention_mask)
-    picked = token_log_probs(logits[:, :-1], ids[:, 1:], temperature, vocab, top_p)
+    if top_p < 1.0:  # the nucleus (a sort over the vocabulary) at the completion tokens only, not every position
+        scored = rollout.completion_mask[:, 1:].bool()
+        picked = torch.zeros(scored.shape, dtype=torch.float32, device=logits.device)
+        picked = picked.masked_scatter(
+            scored, token_log_probs(logits[:, :-1][scored], ids[:, 1:][scored], temperature, vocab, top_p)
+        )
+    else:
+        picked = token_log_probs(logits[:, :-1], ids[:, 1:], temperature, vocab)
     picked = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
     # where, not a product: a padded row's logits may be anything, and 0 * nan is nan
     return torch.where(rollout.completion_mask.bool(), picked, torch.zeros_like(picked))

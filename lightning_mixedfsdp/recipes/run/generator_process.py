@@ -11,7 +11,10 @@ sampled with that rank's seed, as the colocated sampler would, and scored by the
 import hashlib
 import os
 import pickle
+import shutil
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Dict, List
@@ -90,11 +93,17 @@ def sent_dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
+EXACT_WIDENINGS = {
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+"""Dtypes that hold every value of a narrower one exactly (bf16 and fp16 in fp32; not fp16 in bf16 or the reverse)."""
+
+
 def holds(held: torch.dtype, sent: torch.dtype) -> bool:
     """Whether a tensor of dtype ``held`` takes a sent ``sent`` tensor's values exactly."""
-    if held == sent:
-        return True
-    return held.is_floating_point and sent.is_floating_point and torch.finfo(held).bits >= torch.finfo(sent).bits
+    return held == sent or held in EXACT_WIDENINGS.get(sent, ())
 
 
 def state_dict_names(model: nn.Module) -> List[str]:
@@ -165,8 +174,23 @@ class Server:
         return reply
 
 
+def exit_with_the_trainer(folder: Path, every_s: float = 2.0) -> None:
+    """End this process, and remove the run's temporary folder, once the trainer rank that started it is gone (killed
+    without running its exit handlers): a generator would otherwise wait on a dead store, holding its device."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-the-trainer", daemon=True).start()
+
+
 def main(argv: List[str]) -> None:
     recipe_file, address, sync_rank, sync_size = argv[0], argv[1], int(argv[2]), int(argv[3])
+    exit_with_the_trainer(Path(recipe_file).parent)
     try:
         recipe: Recipe = pickle.loads(Path(recipe_file).read_bytes())
         model = policy_alone(recipe, sync_rank)
@@ -176,9 +200,12 @@ def main(argv: List[str]) -> None:
         store.set(f"joined/{sync_rank}", "1")  # trainer rank 0 waits for these while it watches the processes
         server.serve(standalone_gloo_group(store, sync_rank, sync_size, 1800.0))
     except BaseException:
-        # the trainers name this generator, its exit code and this traceback
+        # the trainers name this generator, its exit code and this traceback (unless they are gone with the folder)
         error_file = Path(recipe_file).parent / ERROR_FILE.format(rank=sync_rank)
-        error_file.write_text(traceback.format_exc())
+        try:
+            error_file.write_text(traceback.format_exc())
+        except OSError:
+            pass
         raise
 
 

@@ -277,8 +277,9 @@ class RlSection:
     """Whose weight a correction bounds: each ``token``'s, the completion's product (``sequence``) or its geometric
     mean (``geometric``)."""
     correction_bounds: Optional[List[float]] = None
-    """``[low, high]`` with ``0 <= low <= 1 < high``; unset: [0, 2] for ``tis`` and ``mis`` per token and per
-    sequence, [0.999, 1.001] at the ``geometric`` level (verl's), [0.5, 5] for ``icepop`` (Ring-1T's)."""
+    """``[low, high]`` with ``0 <= low <= 1 < high``; unset: [0, 2] for ``tis`` at every level and for ``mis`` per
+    token and per sequence, [0.999, 1.001] for ``mis`` at the ``geometric`` level (verl's), [0.5, 5] for ``icepop``
+    (Ring-1T's)."""
     mismatch_limit: Optional[float] = None
     """The largest ``logprob_mismatch`` a launch's first rollout may have: above it every rank raises, naming the
     model class and the value, since the rollouts are then not the trained policy's samples (a cache that decodes
