@@ -170,20 +170,10 @@ class PipelineRunner:
         """torch's schedule for micro-batches of this shape (built once per shape)."""
         key = tuple((tuple(t.shape), t.dtype) for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage
-
             micro_args, micro_kwargs = _microbatch(args, kwargs, 0, self.microbatches)
             boundaries = self._boundaries(micro_args[0] if micro_args else None, micro_kwargs)
             torch_stages = [
-                PipelineStage(
-                    _StageCall(self.root, stage.index, boundaries[stage.index].emitted, bool(stage.last)),
-                    stage.index,
-                    self.num_stages,
-                    self.device,
-                    input_args=(_example(boundaries[stage.index].received, requires_grad=stage.index > 0),),
-                    output_args=(_example(boundaries[stage.index].emitted, requires_grad=True),),
-                    group=self.group,
-                )
+                torch_stage(self.root, stage, boundaries[stage.index], self.num_stages, self.device, self.group)
                 for stage in self.stages
             ]
             cls = pipeline_schedule_class(self.schedule_name)
@@ -257,6 +247,23 @@ class PipelineRunner:
             yield
         finally:
             self.running = False
+
+
+def torch_stage(
+    root: nn.Module, stage: Stage, boundary: Boundary, num_stages: int, device: torch.device, group: Any
+) -> Any:
+    """torch's ``PipelineStage`` for ``stage``: a thin caller of the shared ``root``, its buffers as ``boundary``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(
+        _StageCall(root, stage.index, boundary.emitted, bool(stage.last)),
+        stage.index,
+        num_stages,
+        device,
+        input_args=(_example(boundary.received, requires_grad=stage.index > 0),),
+        output_args=(_example(boundary.emitted, requires_grad=True),),
+        group=group,
+    )
 
 
 def split_inputs(inputs: Any, microbatches: int, pipeline_size: int) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

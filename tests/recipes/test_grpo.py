@@ -856,7 +856,7 @@ def test_generator_ranks_that_cannot_run_are_refused_before_launch(
 
 def test_a_generator_starts_without_any_launchers_or_schedulers_variables() -> None:
     """Under torchrun a generator's Fabric found TORCHELASTIC_USE_AGENT_STORE and waited for torchrun's store."""
-    from lightning_mixedfsdp.recipes.rl.generator_ranks import generator_environment
+    from lightning_mixedfsdp.recipes.rl.generator_processes import generator_environment
 
     launched = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
                 "GROUP_RANK": "0", "ROLE_RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",

@@ -17,62 +17,27 @@ error before it joins: a bad device, no memory, an import; a kill mid-run) is fo
 the processes while it waits for them to join and checks them when a send or receive to them fails; it then ends its
 part of the collective at hand without them, and every trainer rank raises at the next point where the trainers
 meet rank 0 (the end of a start, a weight sync, a rollout), naming the generator, its exit code and the traceback it
-left (each generator writes its own to the run's temporary folder before it exits). Generators start in a clean
-environment (no launcher's or scheduler's variables: their Fabric is a world of one), and are stopped, and the
-temporary folder removed, on every exit path: ``close`` at a clean end, on a fault, on Lightning's ``on_exception``,
-and at the trainer process's exit."""
+left (each generator writes its own to the run's temporary folder before it exits). The processes themselves, their
+clean environment and their stopping on every exit path (``close`` at a clean end, on a fault, on Lightning's
+``on_exception``, at the trainer process's exit) are ``generator_processes.py``'s."""
 
-import atexit
-import datetime
 import hashlib
-import os
-import pickle
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Collection, Dict, List, Mapping, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.weight_stream import stream_buckets, streamed_tensors
-from lightning_mixedfsdp.compat.torch import rendezvous_store, standalone_gloo_group
 from lightning_mixedfsdp.recipes.rl import sync_wire
+from lightning_mixedfsdp.recipes.rl.generator_processes import GeneratorDied, GeneratorProcesses
 from lightning_mixedfsdp.recipes.rl.rollouts import Rollout
 
-GENERATOR_MODULE = "lightning_mixedfsdp.recipes.run.generator_process"
-LAUNCH_ENVIRONMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
-"""The trainers' launch variables, left out of a generator's environment: it is a world of its own."""
-LAUNCHER_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "LSB_", "LSF_")
-"""Variables of launchers and schedulers that Lightning's cluster environments read (torchrun's agent store under
-``TORCHELASTIC_USE_AGENT_STORE`` made a generator's world of one wait for a store that is not there), left out too."""
 EXPLAIN_WAIT_S = 30
 """How long trainer rank 0 looks for a generator's exit after a failed exchange (a process tearing down a large
 device context can take seconds to exit)."""
-JOIN_POLL_S = 1.0
-"""How often trainer rank 0 looks at the generator processes while it waits for them to join."""
-ERROR_FILE = "generator_{rank}_error.txt"
-"""The traceback a generator process leaves in the run's temporary folder before it exits on an error."""
-
-
-def generator_environment(environment: Mapping[str, str]) -> Dict[str, str]:
-    """``environment`` without the trainers' launch variables and any launcher's or scheduler's."""
-    return {
-        name: value
-        for name, value in environment.items()
-        if name not in LAUNCH_ENVIRONMENT and not name.startswith(LAUNCHER_PREFIXES)
-    }
-
-
-class GeneratorDied(RuntimeError):
-    """A generator process exited while the trainers needed it."""
 
 
 @dataclass
@@ -96,12 +61,11 @@ class GeneratorRanks:
     def __init__(self, count: int, recipe: Any, bucket_bytes: int, verify: bool = False, timeout_s: float = 1800.0):
         self.count, self.recipe, self.bucket_bytes, self.timeout_s = count, recipe, bucket_bytes, timeout_s
         self.verify = verify
-        self.processes: List[subprocess.Popen] = []
+        self.processes = GeneratorProcesses(count, timeout_s)
         self.group: Optional[Any] = None
         self.synced_version = -1
         self.pending: Optional[int] = None
         self.layout_sent = False
-        self.folder: Optional[Path] = None
         self.failure: Optional[str] = None  # rank 0: what went wrong with a generator, told to every rank next
 
     @property
@@ -114,60 +78,12 @@ class GeneratorRanks:
         self.synced_version, self.pending, self.layout_sent, self.failure = -1, None, False, None  # a new fit
         if self.bridge:
             try:
-                self._start_processes()
+                self.group = self.processes.start(self.recipe)
             except GeneratorDied as died:
                 self.failure = str(died)
             except Exception as error:  # noqa: BLE001  # told to every rank, not raised on rank 0 alone
                 self.failure = f"starting the generators failed: {error!r}"
         self._raise_on_every_rank("starting")
-
-    def _start_processes(self) -> None:
-        store = rendezvous_store("127.0.0.1", 0, 1 + self.count, True, self.timeout_s)
-        self.folder = Path(tempfile.mkdtemp(prefix="generator_ranks_"))  # removed at close
-        atexit.register(self.terminate)  # an exception Lightning hands to no hook: stopped at the process's exit
-        recipe_file = self.folder / "recipe.pkl"
-        recipe_file.write_bytes(pickle.dumps(self.recipe))
-        environment = generator_environment(os.environ)
-        for rank in range(1, 1 + self.count):
-            command = [sys.executable, "-m", GENERATOR_MODULE, str(recipe_file), f"127.0.0.1:{store.port}",
-                       str(rank), str(1 + self.count)]  # fmt: skip
-            self.processes.append(subprocess.Popen(command, env=environment))
-        joined = [f"joined/{rank}" for rank in range(1, 1 + self.count)]
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                store.wait(joined, datetime.timedelta(seconds=JOIN_POLL_S))
-                break
-            except RuntimeError:  # not all of them yet (torch's DistStoreError on the wait's timeout)
-                self._check_processes("while starting")
-                if time.monotonic() > deadline:
-                    raise GeneratorDied(f"{self._who()} did not join within {self.timeout_s:.0f} s") from None
-        self.group = standalone_gloo_group(store, 0, 1 + self.count, self.timeout_s)
-        self._store = store
-
-    def _check_processes(self, when: str) -> None:
-        """Raise :class:`GeneratorDied` naming each generator process that has exited, with its exit code and the
-        traceback it left."""
-        dead = [(rank, process) for rank, process in enumerate(self.processes, 1) if process.poll() is not None]
-        if dead:
-            raise GeneratorDied("; ".join(self._death(rank, process, when) for rank, process in dead))
-
-    def _death(self, rank: int, process: subprocess.Popen, when: str) -> str:
-        code = process.returncode
-        try:
-            signal_name = f" ({signal.Signals(-code).name})" if code < 0 else ""
-        except ValueError:  # not a signal this platform names
-            signal_name = ""
-        said = f"generator rank {rank} (pid {process.pid}) exited {when} with exit code {code}{signal_name}"
-        error = self.folder / ERROR_FILE.format(rank=rank) if self.folder is not None else None
-        if error is not None and error.exists():
-            said += f"; its traceback:\n{error.read_text()}"
-        else:
-            said += "; it left no traceback (killed, or out of memory): see its output above and the system's log"
-        return said
-
-    def _who(self) -> str:
-        return f"generator rank(s) {list(range(1, 1 + self.count))}"
 
     def _guarded(self, when: str, talk: Callable[[], Any]) -> Any:
         """Rank 0's exchange with the generators; a failure that a dead generator explains is kept for every rank
@@ -185,11 +101,13 @@ class GeneratorRanks:
         named, or else the error itself; never raised on rank 0 alone (the other ranks wait in a collective)."""
         for _ in range(EXPLAIN_WAIT_S * 10):  # a process whose connection closed may take a moment to be reaped
             try:
-                self._check_processes(when)
+                self.processes.check(when)
             except GeneratorDied as died:
                 return str(died)
             time.sleep(0.1)
-        return f"talking to {self._who()} {when} failed, and none had exited after {EXPLAIN_WAIT_S} s: {error!r}"
+        return (
+            f"talking to {self.processes.who()} {when} failed, and none had exited after {EXPLAIN_WAIT_S} s: {error!r}"
+        )
 
     def _raise_on_every_rank(self, when: str) -> None:
         """Rank 0's failure, if any, on every trainer rank (one broadcast): each raises, rank 0 stops the
@@ -310,25 +228,10 @@ class GeneratorRanks:
                 sync_wire.send_command(self.group, sync_wire.STOP)
             except RuntimeError:  # a generator already gone: nothing to stop
                 pass
-            for process in self.processes:
-                try:
-                    process.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    pass
+            self.processes.wait(60)
         self.terminate()
 
     def terminate(self) -> None:
-        """Stop every generator process still running (SIGTERM, then SIGKILL after 10 s) and remove the folder."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self.processes, self.group = [], None
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        """Stop every generator process still running and remove the folder (rank 0; nothing elsewhere)."""
+        self.processes.terminate()
+        self.group = None

@@ -31,7 +31,8 @@ from lightning_mixedfsdp.recipes.objectives.grpo import needed_fields
 from lightning_mixedfsdp.recipes.objectives.objective import build_model
 from lightning_mixedfsdp.recipes.rl import sync_wire
 from lightning_mixedfsdp.recipes.rl.generation import generate
-from lightning_mixedfsdp.recipes.rl.generator_ranks import ERROR_FILE, seed_of
+from lightning_mixedfsdp.recipes.rl.generator_processes import ERROR_FILE
+from lightning_mixedfsdp.recipes.rl.generator_ranks import seed_of
 from lightning_mixedfsdp.recipes.rl.rewards import load_rewards, score_completions
 from lightning_mixedfsdp.recipes.rl.rollouts import Sampling
 from lightning_mixedfsdp.recipes.run.runner import strategy_config
