@@ -41,10 +41,16 @@ _context: Optional[Any] = None
 
 
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    fresh: bool = False,
 ) -> List[Any]:
-    """``fn(rank, world_size, *args)`` on every rank; returns the per-rank return values."""
-    context = _start_context()
+    """``fn(rank, world_size, *args)`` on every rank; returns the per-rank return values. ``fresh``: each rank a new
+    interpreter (``spawn``), for a measurement of a process's own memory that the fork server's pages must not
+    blur."""
+    context = multiprocessing.get_context("spawn") if fresh else _start_context()
     queue = context.Queue()
     port = free_port()
     environment = dict(os.environ)

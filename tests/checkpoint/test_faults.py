@@ -249,7 +249,8 @@ def _rss_kib(field: str) -> int:
 
 
 def test_an_export_holds_under_four_chunks_of_a_tensor_sixteen_chunks_large(folder: Path) -> None:
-    results = run_distributed(_rss_during_export, WORLD, str(folder), timeout=180)
+    # fresh interpreters: a rank forked in the middle of the suite measured 32.7 MiB on rank 1 once (11 MiB alone)
+    results = run_distributed(_rss_during_export, WORLD, str(folder), timeout=180, fresh=True)
     assert results[0]["largest"] == 16 * CHUNK
     for rank, result in enumerate(results):
         assert result["growth"] < 4 * CHUNK, (rank, result["growth"] / 2**20)
