@@ -55,6 +55,19 @@ def all_to_all_module() -> Any:
     return module
 
 
+def _meta_shell(model_class: type, config: Any) -> Optional[Any]:
+    """``model_class`` built from ``config`` on the meta device (None for a class that is not a ``PreTrainedModel``):
+    what transformers' conversion mappings are asked of, since it skips them for a class it takes for custom code,
+    as it takes FSDP's dynamic ``FSDP<Name>`` subclass."""
+    import torch
+    from transformers import PreTrainedModel
+
+    if not issubclass(model_class, PreTrainedModel):
+        return None
+    with torch.device("meta"):
+        return model_class._from_config(config)
+
+
 def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[[str], str]]:
     """The renames ``from_pretrained`` applies to checkpoint keys for a ``model_class`` of ``config`` (None when there
     are none): a folder saved in a legacy layout, as transformers 5 still saves Llava (``language_model.model.*``),
@@ -65,32 +78,20 @@ def checkpoint_key_renames(model_class: type, config: Any) -> Optional[Callable[
     class it takes for custom code, as it takes FSDP's dynamic ``FSDP<Name>`` subclass. Internal
     ``conversion_mapping.get_model_conversion_mapping`` and ``core_model_loading.rename_source_key`` (transformers
     5.23 to 5.25; gone: :class:`~lightning_mixedfsdp.compat.versions.UnsupportedVersion`)."""
-    import torch
-    from transformers import PreTrainedModel
-
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError as err:
         raise gone("transformers", "conversion_mapping.get_model_conversion_mapping (and core_model_loading)") from err
-    if not issubclass(model_class, PreTrainedModel):
+    shell = _meta_shell(model_class, config)
+    if shell is None:
         return None
-    with torch.device("meta"):
-        shell = model_class._from_config(config)
     renamings = [t for t in get_model_conversion_mapping(shell) if isinstance(t, WeightRenaming)]
     if not renamings:
         return None
     meta = dict.fromkeys(shell.state_dict())
     prefix = shell.base_model_prefix
     return lambda key: str(rename_source_key(key, renamings, [], prefix, meta)[0])
-
-
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
-"""``config.layer_types`` values whose cache holds attention keys and values only. Every other value (5.23 to 5.25:
-``linear_attention`` for Mamba, Mamba-2, Jamba, Qwen3-Next; ``hybrid`` for Falcon-H1; and any type a later release
-adds) marks a layer with a recurrent state."""
-STATEFUL_WITHOUT_LAYER_TYPES = frozenset({"rwkv", "xlstm"})
-"""Recurrent models whose config has no ``layer_types`` (transformers 5.23-5.24 marked them ``_is_stateful``)."""
 
 
 def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str, Any], Dict[str, Any]]]:
@@ -103,18 +104,14 @@ def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str
     shell of the class built on the meta device (FSDP's dynamic subclass would be taken for custom code). Internal
     ``core_model_loading.revert_weight_conversion`` and ``conversion_mapping.get_model_conversion_mapping`` (5.23 to
     5.25, checked against ``save_pretrained``'s keys and values)."""
-    import torch
-    from transformers import PreTrainedModel
-
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, revert_weight_conversion
     except ImportError as err:
         raise gone("transformers", "core_model_loading.revert_weight_conversion") from err
-    if not issubclass(model_class, PreTrainedModel):
+    shell = _meta_shell(model_class, config)
+    if shell is None:
         return None
-    with torch.device("meta"):
-        shell = model_class._from_config(config)
     conversions = get_model_conversion_mapping(shell, add_legacy=False)
     if not conversions:
         return None
@@ -130,6 +127,14 @@ def checkpoint_tensors(model_class: type, config: Any) -> Optional[Callable[[str
             " model's own names (and map them in the engine), or export with strategy.export_safetensors"
         )
     return lambda name, tensor: dict(revert_weight_conversion(shell, {name: tensor}))
+
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+"""``config.layer_types`` values whose cache holds attention keys and values only. Every other value (5.23 to 5.25:
+``linear_attention`` for Mamba, Mamba-2, Jamba, Qwen3-Next; ``hybrid`` for Falcon-H1; and any type a later release
+adds) marks a layer with a recurrent state."""
+STATEFUL_WITHOUT_LAYER_TYPES = frozenset({"rwkv", "xlstm"})
+"""Recurrent models whose config has no ``layer_types`` (transformers 5.23-5.24 marked them ``_is_stateful``)."""
 
 
 def decodes_with_cache(model: nn.Module) -> bool:
