@@ -5,6 +5,7 @@ policy runs without dropout in every RL forward (LoRA dropout and attention drop
 ``logprob_mismatch`` below 1e-5); PEFT trains on generator ranks under 32-true, bf16-mixed and bf16-true, each sync
 verified by hash. Its own launch, out of the compat subsets: no private torch or transformers API of its own."""
 
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -38,6 +39,7 @@ def _generator_faults(rank: int, folder: str, policy: str, prompts: str) -> Dict
         except Exception as error:  # noqa: BLE001  # the test reads what was raised
             out[case] = f"{type(error).__name__}: {error}"
     out["left_running"] = _generator_processes()
+    out["folders_left"] = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("generator_ranks_*"))
     return out
 
 
@@ -82,6 +84,7 @@ def test_a_generator_that_exits_is_killed_or_fails_a_rollout_makes_every_trainer
         )
         assert "ValueError: the reward failed once" in once
     assert results[0]["faults"]["left_running"] == []
+    assert results[0]["faults"]["folders_left"] == []  # each run's temporary folder removed on its fault
 
 
 def test_dropout_is_off_in_every_rl_forward_and_peft_trains_on_generator_ranks_in_each_precision(
