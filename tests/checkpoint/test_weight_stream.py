@@ -251,7 +251,10 @@ def test_each_ranks_peak_during_the_stream_is_within_a_bucket_and_one_unit(resul
             bound = max(bucket_bytes, got["largest_tensor"]) + got["unit"]
             assert 0 < peak <= bound, (rank, bucket_bytes, peak, bound)
     receiver, sender = results[0]["peak"]["peaks"], results[1]["peak"]["peaks"]
-    assert sender[SMALL_BUCKET] < receiver[SMALL_BUCKET]  # the other rank holds a region at a time, not a bucket
+    # the other rank holds a region at a time, not a bucket: shown at the larger bucket, where a bucket is 4 regions
+    # (at 20 kB the two peaks are a region apart, and the ledger's few kB from run to run crossed them: 28.7 against
+    # 26.8 kB once, 96.6 / 82.2 / 84.2 against 51.2 / 32.9 / 41.0 kB at 80 kB)
+    assert sender[4 * SMALL_BUCKET] < receiver[4 * SMALL_BUCKET]
     assert receiver[4 * SMALL_BUCKET] > receiver[SMALL_BUCKET]  # the receiver's peak is the bucket's size
 
 
