@@ -13,6 +13,8 @@ from torch import nn
 from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.testing import run_distributed
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 SPACING_AT_7 = 2.0**-5  # bf16's spacing in [4, 8)
 SINGLE_STEPS, SINGLE_LR = 200, 1e-4
 GAP_STEPS = 100

@@ -10,6 +10,8 @@ import torch
 from tests.conftest import Launch
 from tests.hf_models import tiny_config
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 LAYERS = 3
 RULES_OFF = dict(keep_fp32_modules=[], keep_fp32_params=[], honor_hf_keep_in_fp32=False)
 

@@ -16,6 +16,8 @@ from lightning_mixedfsdp.testing import run_distributed
 from tests.hf_models import tiny_vlm, vlm_row
 from tests.scenarios import NEEDS_UNUSED_REDUCTION, describe_params, full_params, make_fabric
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 2
 IMAGES: List[Tuple[bool, ...]] = [(True, False), (False, True), (True, True), (False, False)]
 """Which rank's row has an image, step by step: one rank, the other, both, neither."""

@@ -25,6 +25,8 @@ from tests.conftest import Launch
 from tests.hf_models import tiny_model
 from tests.scenarios import full_grads, full_params, make_fabric
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 SEQ, ROWS, VOCAB, STEPS = 32, 2, 64, 3
 FLOAT8 = dict(float8="tensorwise", float8_emulate=True, float8_skip_small=False)
 FLOAT8_AVAILABLE = importlib.util.find_spec("torchao") is not None

@@ -27,6 +27,8 @@ from tests.scenarios import (
     unwrap,
 )
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 ARCHITECTURES = ("qwen3_moe", "deepseek_v3", "gpt_oss")
 ROUTERS = [r"mlp\.(gate|router)\.(weight|bias)$"]  # routers in fp32, as a user of these models asks
 STEPS = 3

@@ -18,6 +18,8 @@ from tests.scenarios import (
     unwrap,
 )
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 4
 
 

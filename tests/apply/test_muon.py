@@ -18,6 +18,8 @@ from lightning_mixedfsdp.recipes.models.tiny_llama import TinyLlama, TinyLlamaCo
 from tests.conftest import Launch
 from tests.scenarios import full_params, global_batch, make_fabric, rank_slice, unwrap
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD, STEPS = 2, 3
 CONFIG = TinyLlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, hidden_dim=67)
 """Each block's w1 and w3 are 67 x 32: 34 rows on rank 0, 33 on rank 1."""

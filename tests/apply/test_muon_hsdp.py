@@ -6,12 +6,15 @@ differences into visible ones)."""
 
 from typing import Any, Dict
 
+import pytest
 import torch
 
 from lightning_mixedfsdp.recipes.models.tiny_llama import causal_lm_loss
 from tests.apply.test_muon import STEPS, _model, _step, _torch_optimizers
 from tests.conftest import Launch
 from tests.scenarios import full_params, global_batch, make_fabric, rank_slice
+
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
 
 WORLD = 4
 

@@ -4,10 +4,13 @@ and replicated grads under the same reduce contract as FSDP's sharded grads (red
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List
 
+import pytest
 import torch
 
 from tests.conftest import Launch
 from tests.scenarios import A_LOG, MIXER, full_grads, full_params, global_batch, make_fabric, rank_slice, unwrap
+
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
 
 WORLD = 2
 STEPS, FAILED_STEP = 5, 1

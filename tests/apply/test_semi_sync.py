@@ -14,6 +14,8 @@ from lightning_mixedfsdp.apply.semi_sync import semi_sync_problems
 from lightning_mixedfsdp.testing import run_distributed
 from tests.scenarios import full_params, make_fabric
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 STEPS = 4
 SYNC_EVERY = 2
 LR = 0.05

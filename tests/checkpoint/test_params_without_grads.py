@@ -15,6 +15,8 @@ from tests.conftest import Launch
 from tests.hf_models import tiny_model
 from tests.scenarios import global_batch, make_fabric, rank_slice, train_hf_steps, unwrap
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 2
 SAVED_AT, STEPS = 3, 6
 

@@ -11,6 +11,8 @@ from torch import nn
 from lightning_mixedfsdp.compat import torch as compat
 from lightning_mixedfsdp.testing import run_distributed
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 
 def test_foreach_norm_and_mul_match_the_plain_ops() -> None:
     tensors = [torch.randn(5, dtype=torch.bfloat16), torch.randn(3, 2)]

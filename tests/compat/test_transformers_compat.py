@@ -12,6 +12,8 @@ from lightning_mixedfsdp.compat import transformers as compat
 from lightning_mixedfsdp.compat.versions import UnsupportedVersion, installed_version, private
 from tests.hf_models import model_class, tiny_config
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 STATEFUL = {
     "llama": False,
     "qwen3": False,

@@ -14,6 +14,8 @@ from tests.conftest import Launch
 from tests.hf_models import tiny_model
 from tests.scenarios import clipped_hf_steps, global_batch, make_fabric, unwrap
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 pytest.importorskip("torchao", reason="QLoRA needs torchao (pip install 'lightning-mixedfsdp[qlora]')")
 
 WORLD = 2

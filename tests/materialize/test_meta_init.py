@@ -13,6 +13,8 @@ from tests.conftest import Launch
 from tests.hf_models import tiny_config
 from tests.scenarios import full_params, make_fabric, unwrap
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 2
 SEED = 7
 

@@ -11,6 +11,8 @@ from tests.conftest import Launch
 from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged, one_process
 from tests.scenarios import full_params, make_fabric, unwrap
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 4
 LAYOUTS = {
     "fsdp": {"data_parallel_size": 2},

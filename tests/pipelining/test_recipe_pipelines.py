@@ -5,6 +5,8 @@ import pytest
 
 from lightning_mixedfsdp.recipes.run.loader import RecipeError, load_recipe
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 PIPELINED = "strategy.parallelism.pipeline_parallel_size=2"
 REFUSALS = {
     "objective": (

@@ -11,6 +11,8 @@ from lightning_mixedfsdp.compat.transformers import decodes_with_cache
 from lightning_mixedfsdp.recipes.rl.rollouts import Sampling, completion_log_probs, sample
 from tests.hf_models import tiny_model
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 ARCHITECTURES = {
     "llama": True,
     "qwen3": True,
