@@ -1,20 +1,15 @@
-"""Helper for test_faults: export once (a copy is kept as ``expected``), then die by SIGKILL in the middle of a second
-export into the same folder; or export again and check that the export loads back to the model's weights.
-
-python tests/kill_during_export.py FOLDER kill|export
-"""
+"""Helper for test_faults, run as a rank of its own (``run_distributed(kill_during_export, 1, folder, action)``):
+``kill`` exports once (a copy is kept as ``expected``), then dies by SIGKILL in the middle of a second export into
+the same folder; ``export`` exports again and returns whether the export loads back to the model's weights."""
 
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.hf_models import tiny_model  # noqa: E402
+from tests.hf_models import tiny_model
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -23,8 +18,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def main() -> None:
-    folder, action = Path(sys.argv[1]), sys.argv[2]
+def kill_during_export(rank: int, world_size: int, where: str, action: str) -> bool:
+    folder = Path(where)
     from lightning.fabric import Fabric
 
     import lightning_mixedfsdp  # noqa: F401
@@ -41,8 +36,7 @@ def main() -> None:
 
         saved = read_state_dict(export)
         state = {k: _full(v).to(saved[k].dtype) for k, v in model.state_dict().items()}
-        print(f"loads: {'equal' if all(torch.equal(saved[k], state[k]) for k in saved) else 'DIFFERENT'}")
-        return
+        return all(torch.equal(saved[k], state[k]) for k in saved)
     fabric.strategy.export_safetensors(model, export)
     shutil.copytree(export, folder / "expected")
     with torch.no_grad():
@@ -56,8 +50,4 @@ def main() -> None:
 
     SafetensorsStream.write_region = die_after_one_region  # type: ignore[method-assign]
     fabric.strategy.export_safetensors(model, export)
-    print("the second export finished: the kill did not happen")
-
-
-if __name__ == "__main__":
-    main()
+    return False  # the second export finished: the kill did not happen

@@ -1,23 +1,19 @@
-"""Helper for test_checkpoint: save once, then die by SIGKILL in the middle of a second save; or load and compare.
-
-python tests/kill_during_save.py FOLDER sharded|full save|load
-"""
+"""Helper for test_checkpoint, run as a rank of its own (``run_distributed(kill_during_save, 1, folder, mode,
+action)``): ``save`` saves once, then dies by SIGKILL in the middle of a second save; ``load`` loads what is left and
+returns whether it equals the first save's weights."""
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lightning_mixedfsdp.testing import accelerator_for  # noqa: E402
-from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_batch  # noqa: E402
+from lightning_mixedfsdp.testing import accelerator_for
+from tests.scenarios import A_LOG, MIXER, BufferedLlama, full_params, global_batch
 
 
-def main() -> None:
-    folder, mode, action = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+def kill_during_save(rank: int, world_size: int, where: str, mode: str, action: str) -> bool:
+    folder = Path(where)
     from lightning.fabric import Fabric
 
     import lightning_mixedfsdp  # noqa: F401
@@ -35,9 +31,7 @@ def main() -> None:
     if action == "load":
         fabric.load(path, {"model": model, "optimizer": optimizer})
         expected = torch.load(folder / "expected.pt")
-        same = all(torch.equal(v, expected[k]) and v.dtype == expected[k].dtype for k, v in full_params(model).items())
-        print(f"loaded the previous checkpoint: {'equal' if same else 'DIFFERENT'}")
-        return
+        return all(torch.equal(v, expected[k]) and v.dtype == expected[k].dtype for k, v in full_params(model).items())
 
     def step(index: int) -> None:
         tokens = global_batch(1, index)
@@ -51,7 +45,7 @@ def main() -> None:
     step(1)
     _die_midway(mode)
     fabric.save(path, {"model": model, "optimizer": optimizer})
-    print("the second save finished: the kill did not happen")
+    return False  # the second save finished: the kill did not happen
 
 
 def _die_midway(mode: str) -> None:
@@ -73,7 +67,3 @@ def _die_midway(mode: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = half_then_die
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,5 @@
 """Checkpoints keep every dtype and bit: sharded and full, across world sizes, exact resume, atomic, export."""
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict
 
@@ -10,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from lightning_mixedfsdp.testing import run_distributed
+from tests.kill_during_save import kill_during_save
 from tests.scenarios import (
     A_LOG,
     MIXER,
@@ -24,7 +23,6 @@ from tests.scenarios import (
 
 MODES = {"sharded": True, "full": False}
 SAVE_AT, STEPS = 3, 6
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _setup(world_size: int, distributed_checkpoint: bool, seed: int = 0) -> Any:
@@ -183,14 +181,13 @@ def test_export_with_a_shard_limit_writes_an_index_and_keeps_the_plans_fp32_set(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path, mode: str) -> None:
-    script = [sys.executable, str(ROOT / "tests" / "kill_during_save.py"), str(tmp_path), mode]
-    killed = subprocess.run([*script, "save"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    # a rank of its own, killed by SIGKILL midway through its second save
+    with pytest.raises(AssertionError, match=r"died with exit codes \[-9\]"):
+        run_distributed(kill_during_save, 1, str(tmp_path), mode, "save", timeout=180)
     leftovers = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert leftovers, "the second save was killed before it wrote anything"
-    loaded = subprocess.run([*script, "load"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert loaded.returncode == 0, loaded.stdout[-2000:] + loaded.stderr[-2000:]
-    assert "loaded the previous checkpoint: equal" in loaded.stdout
+    # the previous checkpoint loads, equal to the first save's weights
+    assert run_distributed(kill_during_save, 1, str(tmp_path), mode, "load", timeout=180) == [True]
 
 
 def test_a_sharded_checkpoint_holds_the_plans_layout_whichever_groups_torch_allows(

@@ -13,8 +13,6 @@ export is ``test_an_export_killed_midway_leaves_the_previous_one`` (its own proc
 import ctypes
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from contextlib import contextmanager
 from functools import partial
@@ -29,10 +27,10 @@ from torch import nn
 from lightning_mixedfsdp.testing import run_distributed
 from tests.conftest import Launch
 from tests.hf_models import tiny_model
+from tests.kill_during_export import kill_during_export
 from tests.scenarios import make_fabric
 
 WORLD = 2
-ROOT = Path(__file__).resolve().parents[2]
 UP_PROJ = "model.layers.0.mlp.up_proj.weight"
 NOBODY = 65534
 
@@ -259,16 +257,15 @@ def test_an_export_holds_under_four_chunks_of_a_tensor_sixteen_chunks_large(fold
 
 
 def test_an_export_killed_midway_leaves_the_previous_one(tmp_path: Path) -> None:
-    script = [sys.executable, str(ROOT / "tests" / "kill_during_export.py"), str(tmp_path)]
-    killed = subprocess.run([*script, "kill"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
+    # a rank of its own, killed by SIGKILL after the second export wrote one region
+    with pytest.raises(AssertionError, match=r"died with exit codes \[-9\]"):
+        run_distributed(kill_during_export, 1, str(tmp_path), "kill", timeout=180)
     export = tmp_path / "export"
     assert sorted(p.name for p in export.iterdir()) == sorted(p.name for p in (tmp_path / "expected").iterdir())
     for path in (tmp_path / "expected").iterdir():
         assert path.read_bytes() == (export / path.name).read_bytes(), path.name
     staging = [p.name for p in tmp_path.iterdir() if p.name.startswith(".export.tmp-")]
     assert staging, "the export was killed before it wrote anything"
-    again = subprocess.run([*script, "export"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    loads_back = run_distributed(kill_during_export, 1, str(tmp_path), "export", timeout=180)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".export.")]  # the next export cleaned up
-    assert "loads: equal" in again.stdout
+    assert loads_back == [True]
