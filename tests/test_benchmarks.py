@@ -1,12 +1,28 @@
 """Each benchmark script runs end to end at tiny sizes, so none can rot. Timings are printed, never asserted."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from benchmarks import collectives_and_speed, numerics, setup_cost
+from lightning_mixedfsdp.testing import run_distributed
+
+
+def _rank_zero_stdout(rank: int, world_size: int, benchmark: str, argv: list, config: dict) -> str:
+    """A benchmark that launches Fabric on 2 processes, run on 2 ranks forked from the fork server (Fabric finds them
+    launched, as under torchrun) at the tiny ``config``: what it printed (rank 0 prints the tables)."""
+    import contextlib
+    import importlib
+    import io
+
+    from benchmarks import meta_memory
+
+    meta_memory.CONFIG.update(config)  # in this rank only
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        importlib.import_module(f"benchmarks.{benchmark}").main(argv)
+    return printed.getvalue()
 
 
 def test_collectives_and_speed_runs_and_replication_adds_one_all_reduce_and_no_all_gather(capsys) -> None:
@@ -90,9 +106,6 @@ def test_hf_fsdp_peer_runs_and_only_mixed_fsdp2_keeps_norms_fp32_in_bf16(capsys)
 
 
 def test_meta_memory_benchmark_measures_one_launch(tmp_path, monkeypatch) -> None:
-    import subprocess
-    import sys
-
     from benchmarks import meta_memory
 
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
@@ -100,19 +113,9 @@ def test_meta_memory_benchmark_measures_one_launch(tmp_path, monkeypatch) -> Non
         monkeypatch.setitem(meta_memory.CONFIG, key, value)
     meta_memory.save_copy(str(tmp_path))
     assert (tmp_path / "model.safetensors").is_file()
-    # the measuring run launches its own processes, as a user runs it; Lightning re-runs this script for rank 1
-    script = tmp_path / "measure.py"
-    script.write_text(f"from benchmarks import meta_memory\nmeta_memory.CONFIG.update({tiny!r})\nmeta_memory.main()\n")
-    completed = subprocess.run(
-        [sys.executable, str(script), "--load", str(tmp_path), "--scenario", "load"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "| load_full_weights of the saved copy |" in completed.stdout
+    printed = run_distributed(_rank_zero_stdout, 2, "meta_memory", ["--load", str(tmp_path), "--scenario", "load"],
+                              tiny, timeout=300)  # fmt: skip
+    assert "| load_full_weights of the saved copy |" in printed[0]
 
 
 def test_planner_scale_runs_on_a_public_shape(capsys) -> None:
@@ -161,63 +164,40 @@ def test_expert_kernels_benchmark_runs_hfs_experts_with_fewer_local_experts(caps
     assert "| 2 | 2 |" in capsys.readouterr().out
 
 
-def test_io_benchmark_measures_both_load_and_both_export_paths(tmp_path) -> None:
-    import subprocess
-    import sys
-
+def test_io_benchmark_measures_both_load_and_both_export_paths(tmp_path, monkeypatch) -> None:
     import torch
 
     from benchmarks import io_per_rank, meta_memory
     from lightning_mixedfsdp.checkpoint import read_state_dict
 
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    script = tmp_path / "measure.py"
-    script.write_text(
-        "import sys\nfrom benchmarks import io_per_rank, meta_memory\n"
-        f"meta_memory.CONFIG.update({tiny!r})\nio_per_rank.main(sys.argv[1:])\n"
-    )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    run = dict(capture_output=True, text=True, timeout=300, cwd=root, env=env)
-    saved = subprocess.run(
-        [sys.executable, str(script), "--save", str(tmp_path / "copy"), "--shard-size", "20KB"], **run
-    )
-    assert saved.returncode == 0, saved.stderr[-3000:]
+    with monkeypatch.context() as patched:
+        for key, value in tiny.items():
+            patched.setitem(meta_memory.CONFIG, key, value)
+        io_per_rank.main(["--save", str(tmp_path / "copy"), "--shard-size", "20KB"])
     assert len(list((tmp_path / "copy").glob("*.safetensors"))) > 1
-    measured = subprocess.run([sys.executable, str(script), "--load", str(tmp_path / "copy"), "--repeats", "1"], **run)
-    assert measured.returncode == 0, measured.stderr[-3000:]
-    assert "| load | rank_zero | 0 |" in measured.stdout and "| load | own_parts | 1 |" in measured.stdout
-    assert "| export | gathered | 0 |" in measured.stdout and "| export | streamed | 1 |" in measured.stdout
-    assert "| export | streamed_16MiB | 0 |" in measured.stdout
+    printed = run_distributed(
+        _rank_zero_stdout, 2, "io_per_rank", ["--load", str(tmp_path / "copy"), "--repeats", "1"], tiny, timeout=300
+    )[0]
+    assert "| load | rank_zero | 0 |" in printed and "| load | own_parts | 1 |" in printed
+    assert "| export | gathered | 0 |" in printed and "| export | streamed | 1 |" in printed
+    assert "| export | streamed_16MiB | 0 |" in printed
     # every export path wrote the same tensors
     gathered, *streamed = (read_state_dict(tmp_path / f"copy-export-{kind}") for kind in io_per_rank.EXPORTS)
     for other in streamed:
         assert gathered.keys() == other.keys() and all(torch.equal(gathered[n], other[n]) for n in gathered)
-    assert meta_memory.CONFIG["hidden_size"] == 1024  # the subprocess's tiny config stayed there
+    assert meta_memory.CONFIG["hidden_size"] == 1024  # the tiny config stayed in the test and its ranks
 
 
-def test_qlora_benchmark_measures_the_three_setups_and_a_4_bit_base_is_about_a_quarter(tmp_path) -> None:
-    import subprocess
-    import sys
-
+def test_qlora_benchmark_measures_the_three_setups_and_a_4_bit_base_is_about_a_quarter() -> None:
     pytest.importorskip("torchao")
     tiny = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
     tiny["num_key_value_heads"] = 4
-    script = tmp_path / "measure.py"
-    script.write_text(
-        "import sys\nfrom benchmarks import qlora_memory, meta_memory\n"
-        f"meta_memory.CONFIG.update({tiny!r})\nqlora_memory.main(sys.argv[1:])\n"
-    )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
     argv = ["--steps", "1", "--repeats", "1", "--seq", "16"]
-    measured = subprocess.run(
-        [sys.executable, str(script), *argv], capture_output=True, text=True, timeout=300, cwd=root, env=env
-    )
-    assert measured.returncode == 0, measured.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line for line in measured.stdout.splitlines() if line.startswith("| ")}
+    printed = run_distributed(_rank_zero_stdout, 2, "qlora_memory", argv, tiny, timeout=300)[0]
+    rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
     assert {"bf16 base", "nf4", "nf4 + offload"} <= set(rows)
-    assert "nf4 against bf16 base: base 0.258x" in measured.stdout
+    assert "nf4 against bf16 base: base 0.258x" in printed
 
 
 def test_gpu_llama_float8_table_runs_every_set_up_on_the_cpu_emulated(tmp_path) -> None:

@@ -88,6 +88,11 @@ def _collect(name: str, processes: List[Any], queue: Any, world_size: int, timeo
     return [results[rank] for rank in range(world_size)]
 
 
+def start_context() -> Any:
+    """The multiprocessing context ranks start from: the fork server with ``PRELOAD`` imported (started once)."""
+    return _start_context()
+
+
 def _start_context() -> Any:
     global _context
     if _context is None:

@@ -1,19 +1,18 @@
 """Replica groups as separate launches, the way a user runs them: a lighthouse in the calling process, each group's
 ranks as processes with their own MASTER_PORT (what torchrun gives each launch), killed with SIGKILL and restarted
-by the caller. The ranks run a worker module (``python -m <module>``) and report through JSON lines."""
+by the caller. The ranks run a worker module as ``python -m <module>`` would (``runpy``), in processes forked from
+the tests' fork server (torch, Lightning and transformers imported once: a group's start costs the fork, not seconds
+of imports per rank), and report through JSON lines."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from lightning_mixedfsdp.compat.torchft import lighthouse_server
 from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
-from lightning_mixedfsdp.testing.launch import free_port
+from lightning_mixedfsdp.testing.launch import free_port, start_context
 
 
 def start_lighthouse(min_replicas: int = 1) -> Any:
@@ -43,7 +42,7 @@ class Group:
         root = root or Path.cwd()
         port = free_port()
         self.replica_id = replica_id
-        self.processes: List[subprocess.Popen] = []
+        self.processes: List[Any] = []
         for rank in range(world):
             env = {
                 **os.environ,
@@ -54,32 +53,64 @@ class Group:
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(world),
                 "NODE_RANK": "0",
-                # after a compat torch's folder (.ci/compat), which must come before the venv's torch
-                "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(root)) if p),
                 "OMP_NUM_THREADS": "1",
             }
-            command = [sys.executable, "-m", module, "--folder", str(folder), *extra]
+            argv = [module, "--folder", str(folder), *extra]
             if replica_id is not None and lighthouse is not None:
-                command += ["--replica-id", str(replica_id), "--lighthouse", lighthouse]
-            stderr = (folder / f"g{replica_id}_r{rank}.stderr").open("a")
-            self.processes.append(subprocess.Popen(command, env=env, cwd=root, stdout=stderr, stderr=stderr))
+                argv += ["--replica-id", str(replica_id), "--lighthouse", lighthouse]
+            output = str(folder / f"g{replica_id}_r{rank}.stderr")
+            process = start_context().Process(target=_run_module, args=(argv, env, str(root), output), daemon=False)
+            process.start()
+            self.processes.append(process)
 
     def kill(self) -> None:
         for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
+            if process.exitcode is None:
+                process.kill()
         for process in self.processes:
-            process.wait(timeout=30)
+            process.join(timeout=30)
 
     def exit_codes(self) -> List[Optional[int]]:
-        return [process.poll() for process in self.processes]
+        return [process.exitcode for process in self.processes]
 
     def wait(self, timeout: float) -> List[int]:
         deadline = time.monotonic() + timeout
-        codes = []
         for process in self.processes:
-            codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
-        return codes
+            process.join(timeout=max(1.0, deadline - time.monotonic()))
+        codes = self.exit_codes()
+        if None in codes:
+            raise TimeoutError(f"replica group {self.replica_id}: ranks still running after {timeout}s: {codes}")
+        return codes  # type: ignore[return-value]
+
+
+def _run_module(argv: List[str], env: Dict[str, str], root: str, output: str) -> None:
+    """One rank: ``python -m argv[0] argv[1:]`` in ``root`` with ``env``, stdout and stderr appended to ``output``;
+    the process exits with the module's exit code (1 and the traceback on an exception)."""
+    import runpy
+    import sys
+    import traceback
+
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(root)
+    torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a fresh interpreter
+    descriptor = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    sys.argv = list(argv)
+    code = 0
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown racing gloo's or torchft's threads
 
 
 def records(folder: Path, replica_id: int, rank: int) -> List[Dict[str, Any]]:

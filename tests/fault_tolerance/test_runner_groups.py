@@ -1,8 +1,8 @@
 """The recipe runner under fault tolerance, as README runs it: a lighthouse, then replica groups, each its own
 ``python -m lightning_mixedfsdp.train ... strategy.fault_tolerance.replica_id=N`` launch of 2 CPU ranks through the
-Trainer. Group 0 first trains alone to step 10 and stops (checkpoints at 5 and 10). Then both groups launch, every
+Trainer. Group 0 first trains alone to step 6 and stops (checkpoints at 3 and 6). Then both groups launch, every
 quorum waiting for both (``min_replicas=2`` at the lighthouse and in the groups): group 0 continues from the newest
-checkpoint, group 1 from step 5, and heals from group 0 inside the Trainer's loop (its step count, model, optimizer
+checkpoint, group 1 from step 3, and heals from group 0 inside the Trainer's loop (its step count, model, optimizer
 and data position come from the live group); both stop at ``max_steps`` and export the same weights to the bit. The
 order of events is fixed by the exits and the quorums, never by which process is faster."""
 
@@ -21,9 +21,9 @@ from tests.recipes.main_job import RECIPE, ROOT
 
 pytest.importorskip("torchft")
 
-STEPS, ALONE = 30, 10
+STEPS, ALONE, EVERY = 12, 6, 3
 OVERRIDES = [
-    "trainer.val_check_interval=30", "trainer.checkpoint_every_n_steps=5", "trainer.keep_checkpoints=20",
+    f"trainer.val_check_interval={STEPS}", f"trainer.checkpoint_every_n_steps={EVERY}", "trainer.keep_checkpoints=20",
     "trainer.log_every_n_steps=1", "model.dim=32", "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64",
     "data.val_windows=16", "data.max_bytes=300000", "optimizer.lr=0.01", "strategy.print_report=false",
     "strategy.fault_tolerance.num_replica_groups=2",
@@ -58,7 +58,7 @@ def groups(folder: Any) -> Dict[str, Any]:
     try:
         both = [f"trainer.max_steps={STEPS}", "strategy.fault_tolerance.min_replicas=2"]
         first = launch(0, together.address(), both)
-        second = launch(1, together.address(), [*both, "--resume", str(root / "checkpoints" / "step=5.ckpt")])
+        second = launch(1, together.address(), [*both, "--resume", str(root / "checkpoints" / f"step={EVERY}.ckpt")])
         assert finish([first, second]) == [0, 0], _tails(root)
     finally:
         together.shutdown()
@@ -86,7 +86,7 @@ def test_both_groups_stop_at_max_steps_and_export_the_same_weights_to_the_bit(gr
 def test_the_late_group_healed_from_the_live_one_and_drew_its_own_data(groups: Dict[str, Any]) -> None:
     root = groups["root"]
     losses = [read_metrics(root / f"replica_{g}" / "logs")["train_loss"] for g in (0, 1)]
-    assert min(losses[1]) == ALONE  # it resumed at step 5 and healed to group 0's step 10 before its first batch
+    assert min(losses[1]) == ALONE  # it resumed at step EVERY and healed to group 0's step ALONE before its first batch
     common = [step for step in losses[1] if step in losses[0] and step >= ALONE]
     assert len(common) == STEPS - ALONE
     assert all(losses[0][step] != losses[1][step] for step in common)  # each group its own data
