@@ -1,5 +1,7 @@
-"""Each example runs as written (tiny sizes), launching its own processes like a user would; the four are launched
-together (``tests/launch_together.py``), each test reads its own."""
+"""Each example runs as written (tiny sizes): the HF example and README's quick start launching their own processes
+like a user would, the Fabric and Trainer examples on 2 ranks forked from the tests' fork server (started as torchrun
+starts them: the script finds its processes launched); the four run together (``tests/launch_together.py``), each
+test reads its own."""
 
 import subprocess
 import sys
@@ -8,6 +10,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from lightning_mixedfsdp.testing import run_distributed
 from tests.launch_together import run_together
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +18,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(command: List[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *command], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _script_on_ranks(rank: int, world_size: int, command: List[str], cwd: str) -> str:
+    """``python script args`` as this rank (``runpy``, ``__main__``): what it printed."""
+    import contextlib
+    import io
+    import os
+    import runpy
+
+    os.chdir(cwd)
+    sys.argv = list(command)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        runpy.run_path(command[0], run_name="__main__")
+    return printed.getvalue()
+
+
+def _run_on_ranks(command: List[str], cwd: Path) -> subprocess.CompletedProcess:
+    """The script on 2 forked ranks, reported as its command would be: rank 0's output, or the failing rank's
+    traceback with exit code 1."""
+    try:
+        printed = run_distributed(_script_on_ranks, 2, command, str(cwd), timeout=300)[0]
+    except AssertionError as failed:
+        return subprocess.CompletedProcess(command, 1, "", str(failed))
+    return subprocess.CompletedProcess(command, 0, printed, "")
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +53,13 @@ def examples(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     (folder / "quick_start.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
     (folder / "export").mkdir()
     commands = {
-        "fabric": (["examples/fabric_quickstart.py", "--steps", "6"], ROOT),
-        "trainer": (["examples/trainer_lightning_module.py", "--steps", "6"], ROOT),
-        "hf": (["examples/hf_transformers.py", "--steps", "3", "--export", str(folder / "export")], ROOT),
-        "readme": ([str(folder / "quick_start.py")], folder),
+        "fabric": (_run_on_ranks, ["examples/fabric_quickstart.py", "--steps", "6"], ROOT),
+        "trainer": (_run_on_ranks, ["examples/trainer_lightning_module.py", "--steps", "6"], ROOT),
+        "hf": (_run, ["examples/hf_transformers.py", "--steps", "3", "--export", str(folder / "export")], ROOT),
+        "readme": (_run, [str(folder / "quick_start.py")], folder),
     }
     out: Dict[str, Any] = run_together(
-        {n: (lambda c=command, w=cwd: _run(c, w)) for n, (command, cwd) in commands.items()}
+        {n: (lambda r=run, c=command, w=cwd: r(c, w)) for n, (run, command, cwd) in commands.items()}
     )
     out["folder"] = folder
     return out

@@ -1,6 +1,7 @@
 """The main job at tiny sizes through the runner as a user runs it (``python -m lightning_mixedfsdp.train`` in a
 subprocess, 2 CPU processes): one uninterrupted run, one stopped by SIGTERM to its process group under ``timeout``
-and one under torchrun, their resumes, and the finished run extended; and the main job with Muon.
+and one under torchrun, their resumes, and the finished run extended; and the main job with Muon (on forked ranks:
+``runner_ranks.py``).
 ``tests/recipes/conftest.py`` runs them once for the session (``main_job``): ``test_runner.py`` and
 ``test_muon_recipe.py`` check what they left behind, ``test_sft_runner.py`` fine-tunes their export."""
 
@@ -19,12 +20,13 @@ import torch
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
 from tests.launch_together import run_together
+from tests.recipes.runner_ranks import run_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, EXTENDED, EVERY, KEEP = 40, 52, 4, 2
+STEPS, EXTENDED, EVERY, KEEP, VALIDATE_EVERY = 24, 30, 4, 2, 12
 RECIPE = str(ROOT / "conf" / "stdlib_llama.yaml")
 OVERRIDES = [
-    f"trainer.max_steps={STEPS}", "trainer.val_check_interval=20",
+    f"trainer.max_steps={STEPS}", f"trainer.val_check_interval={VALIDATE_EVERY}",
     f"trainer.checkpoint_every_n_steps={EVERY}", f"trainer.keep_checkpoints={KEEP}", "trainer.log_every_n_steps=1",
     "model.dim=32", "model.hidden_dim=64", "model.n_layers=2", "data.seq_len=64", "data.val_windows=17",
     "data.max_bytes=300000", "optimizer.lr=0.01",
@@ -120,7 +122,7 @@ def main_job_runs(root: Path) -> Dict[str, Any]:
             "whole_out": lambda: train(*TINY, f"output.dir={whole}"),
             "interrupted": lambda: train_until_sigterm(stopped, UNDER_TIMEOUT),
             "torchrun_interrupted": lambda: train_until_sigterm(torchrun, [*UNDER_TIMEOUT, *TORCHRUN]),
-            "muon_out": lambda: train(*TINY, *MUON, f"output.dir={root / 'muon'}"),
+            "muon_out": lambda: run_recipe(*TINY, *MUON, f"output.dir={root / 'muon'}", output=root / "muon"),
         }
     )
     out.update(first)

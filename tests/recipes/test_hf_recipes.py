@@ -1,7 +1,8 @@
-"""Recipes that train Hugging Face models, through the runner as a user launches it: every shipped recipe for a few
-steps, fine-tuning a local save_pretrained() directory that ships its own modelling code with jsonl data and a
-locally built tokenizer, the exports loaded back, and one test per input error, each reported before any process
-starts (resume: ``test_runner.py``)."""
+"""Recipes that train Hugging Face models through the runner: every shipped recipe for a few steps (``runner.main``
+on 2 ranks started as torchrun starts them, forked from the tests' fork server), fine-tuning, as a user launches it
+(``python -m lightning_mixedfsdp.train``), a local save_pretrained() directory that ships its own modelling code
+with jsonl data and a locally built tokenizer, the exports loaded back, and one test per input error, each reported
+before any process starts (resume: ``test_runner.py``)."""
 
 import functools
 import json
@@ -20,6 +21,9 @@ from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from tests.hf_models import tiny_config
 from tests.launch_together import run_together
 from tests.recipes.exports import assert_the_export_states_its_dtype
+from tests.recipes.runner_ranks import run_recipe
+
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = (Path(json.__file__).read_text(encoding="utf-8") * 3).split("\n\n")
@@ -130,8 +134,9 @@ def launches(pretrained_dir: Path, jsonl_files: Path, tmp_path_factory: pytest.T
     root = tmp_path_factory.mktemp("launches")
 
     def shipped(recipe: str) -> Dict[str, Any]:
-        folder = root / recipe
-        return {"out": train("--config", f"conf/{recipe}.yaml", *TINY, "trainer.max_steps=3", f"output.dir={folder}")}
+        recipe_file, output = str(ROOT / "conf" / f"{recipe}.yaml"), root / recipe
+        return {"out": run_recipe("--config", recipe_file, *TINY, "trainer.max_steps=3", f"output.dir={output}",
+                                  output=output)}  # fmt: skip
 
     jobs: Dict[str, Any] = {"finetuned": lambda: _finetune(pretrained_dir, jsonl_files, root / "finetune")}
     jobs.update({recipe: functools.partial(shipped, recipe) for recipe in SHIPPED})

@@ -19,8 +19,9 @@ import torch
 
 from lightning_mixedfsdp.recipes.run.plot import read_metrics
 from tests.launch_together import run_together
+from tests.recipes.runner_ranks import run_recipe
 from tests.recipes.sft_tokenizers import save_tokenizer
-from tests.recipes.test_hf_recipes import train
+from tests.recipes.test_hf_recipes import ROOT, train
 
 SFT = [
     "--config", "conf/stdlib_llama_sft.yaml", "trainer.max_steps=8", "trainer.val_check_interval=8",
@@ -50,12 +51,12 @@ def _fine_tune_and_resume(export: Path, root: Path) -> Dict[str, Any]:
 
 def _hf_recipe(recipe: str, data: str, local_model: Dict[str, Path], folder: Path) -> Dict[str, Any]:
     model = local_model["model"]
-    out = train(
-        "--config", f"conf/{recipe}.yaml", f"model.pretrained={model}", f"data.tokenizer={model}",
+    out = run_recipe(
+        "--config", str(ROOT / "conf" / f"{recipe}.yaml"), f"model.pretrained={model}", f"data.tokenizer={model}",
         f"data.files={local_model[data]}", "data.seq_len=128", "data.held_out_every=4", "data.val_windows=2",
         "trainer.max_steps=3", "trainer.val_check_interval=3", f"output.dir={folder}",
         *(["data.packing=false"] if data == "pairs" else []),  # one pair per row: the unpacked rows
-    )  # fmt: skip
+        output=folder)  # fmt: skip
     return {"out": out, "folder": folder}
 
 
@@ -66,12 +67,22 @@ def launches(
     """The SFT recipe on the main job's export and its resume, beside each HF recipe on the local model (QLoRA's
     only with torchao), launched together."""
     root = tmp_path_factory.mktemp("sft")
-    jobs: Dict[str, Any] = {"sft": lambda: _fine_tune_and_resume(main_job["export"], root)}
-    for recipe, data in HF_RUNS:
-        if recipe.endswith("qlora") and importlib.util.find_spec("torchao") is None:
-            continue
-        jobs[recipe] = functools.partial(_hf_recipe, recipe, data, local_model, root / recipe)
-    return run_together(jobs)
+    recipes = {
+        recipe: functools.partial(_hf_recipe, recipe, data, local_model, root / recipe)
+        for recipe, data in HF_RUNS
+        if not (recipe.endswith("qlora") and importlib.util.find_spec("torchao") is None)
+    }
+
+    def one_after_the_other(*names: str) -> Dict[str, Any]:
+        return {name: recipes[name]() for name in names if name in recipes}
+
+    # three chains side by side: the SFT run then its resume, LoRA then QLoRA, the pairs
+    chains = run_together({
+        "sft": lambda: {"sft": _fine_tune_and_resume(main_job["export"], root)},
+        "adapters": lambda: one_after_the_other("sft_local_dir_lora", "sft_local_dir_qlora"),
+        "pairs": lambda: one_after_the_other("sft_local_dir"),
+    })  # fmt: skip
+    return {name: result for chain in chains.values() for name, result in chain.items()}
 
 
 @pytest.fixture(scope="module")
