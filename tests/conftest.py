@@ -2,23 +2,27 @@
 
 A module that trains on several ranks declares ``LAUNCH = Launch(scenarios, world_size, ...)``: ``results`` runs
 ``scenarios(rank, world_size, *args)`` once for the whole module (many checks per launch: a launch costs seconds) and
-hands every test the per-rank return values. ``args`` are the module's folder (``with_folder``) and the values of
+hands every test the per-rank return values; with several scenario functions, each is a launch of its own, all side
+by side, and each rank's dicts are merged. ``args`` are the module's folder (``with_folder``) and the values of
 the fixtures named in ``fixtures``, as strings where they are paths."""
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import pytest
 
 from lightning_mixedfsdp.testing import run_distributed
+from tests.launch_together import run_together
 
 SLOW_MODULES = frozenset(
     {
         "tests/test_benchmarks.py",
         "tests/test_examples.py",
         "tests/recipes/test_runner.py",
+        "tests/recipes/test_muon_recipe.py",
         "tests/recipes/test_sft_runner.py",
         "tests/recipes/test_hf_recipes.py",
         "tests/recipes/test_vision_recipes.py",
@@ -86,8 +90,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 class Launch:
     """A test module's one launch."""
 
-    scenarios: Callable[..., Any]
-    """``scenarios(rank, world_size, *args)``, run on every rank."""
+    scenarios: Union[Callable[..., Any], Tuple[Callable[..., Dict[str, Any]], ...]]
+    """``scenarios(rank, world_size, *args)``, run on every rank; a tuple of them: launches side by side (one's ranks
+    compute while another's wait, e.g. on a process starting), each returning a dict; a rank's dicts are merged."""
     world_size: int
     timeout: float = 300
     """Seconds before a rank that has not reported fails the module's tests."""
@@ -111,4 +116,9 @@ def results(request: pytest.FixtureRequest, folder: Path) -> List[Any]:
     for name in launch.fixtures:
         value = request.getfixturevalue(name)
         args.append(str(value) if isinstance(value, Path) else value)
-    return run_distributed(launch.scenarios, launch.world_size, *args, timeout=launch.timeout)
+    if callable(launch.scenarios):
+        return run_distributed(launch.scenarios, launch.world_size, *args, timeout=launch.timeout)
+    world, timeout = launch.world_size, launch.timeout
+    side_by_side = {fn.__name__: partial(run_distributed, fn, world, *args, timeout=timeout) for fn in launch.scenarios}
+    each = run_together(side_by_side)
+    return [{key: value for ranks in each.values() for key, value in ranks[rank].items()} for rank in range(world)]

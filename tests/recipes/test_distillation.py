@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import RecipeError
 from lightning_mixedfsdp.testing import run_distributed
+from tests.launch_together import run_together
 from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.second_model import TEACHER_VOCAB, equal_to_one_process, make_llama_folder
 
@@ -147,9 +148,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     folder = tmp_path_factory.mktemp("distillation")
     teacher = make_llama_folder(folder / "teacher")
     wide_teacher = make_llama_folder(folder / "wide_teacher", hidden=256)  # its Linear shards fill NF4's blocks
-    ranks = run_distributed(_two_ranks, 2, str(teacher), str(wide_teacher), str(folder), timeout=600)
-    one = run_distributed(_one_process, 1, str(teacher), str(folder), timeout=600)
-    return {"folder": folder, "teacher": teacher, "ranks": ranks, "one": one[0]}
+    launched = run_together({  # side by side: each its own folder
+        "ranks": lambda: run_distributed(_two_ranks, 2, str(teacher), str(wide_teacher), str(folder), timeout=600),
+        "one": lambda: run_distributed(_one_process, 1, str(teacher), str(folder), timeout=600)[0],
+    })  # fmt: skip
+    return {"folder": folder, "teacher": teacher, **launched}
 
 
 def _export(folder: Path) -> Dict[str, torch.Tensor]:

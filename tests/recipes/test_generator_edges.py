@@ -13,15 +13,16 @@ from tests.conftest import Launch
 from tests.recipes.test_grpo import WORLD, _runner, inputs  # noqa: F401  # the shared inputs fixture
 
 
-def _generator_processes() -> List[str]:
-    """The command lines of the generator processes running now (Linux's /proc)."""
+def _generator_processes(started_in: Path) -> List[str]:
+    """The command lines of the generator processes running now whose recipe lies in ``started_in`` (Linux's
+    /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:  # not a process, or gone
             continue
-        if "lightning_mixedfsdp.recipes.run.generator_process" in line:
+        if "lightning_mixedfsdp.recipes.run.generator_process" in line and str(started_in) in line:
             found.append(line)
     return found
 
@@ -30,6 +31,9 @@ def _generator_faults(rank: int, folder: str, policy: str, prompts: str) -> Dict
     """A generator that exits as it starts (its reward module exits while loading: exit code 7, its traceback) and
     one killed mid-run (SIGKILL as it scores its first rollout): every trainer rank raises, naming it."""
     where, out = Path(folder), {}
+    # this launch's own temporary folders (its generators' recipes among them), apart from the launch beside it
+    tempfile.tempdir = str(where / f"temporary_rank{rank}")
+    Path(tempfile.tempdir).mkdir()
     ranks = ["rl.generation=ranks", "rl.generator_ranks=1"]
     for case in ("at_start", "killed", "first_call"):
         reward = f"{Path(prompts).parent / f'dying_reward_{case}.py'}:length"
@@ -38,8 +42,8 @@ def _generator_faults(rank: int, folder: str, policy: str, prompts: str) -> Dict
             out[case] = "no error"
         except Exception as error:  # noqa: BLE001  # the test reads what was raised
             out[case] = f"{type(error).__name__}: {error}"
-    out["left_running"] = _generator_processes()
-    out["folders_left"] = sorted(str(p) for p in Path(tempfile.gettempdir()).glob("generator_ranks_*"))
+    out["left_running"] = _generator_processes(Path(tempfile.tempdir))
+    out["folders_left"] = sorted(str(p) for p in Path(tempfile.tempdir).glob("generator_ranks_*"))
     return out
 
 
@@ -57,15 +61,18 @@ def _dropout_and_peft(rank: int, folder: str, policy: str, prompts: str) -> Dict
     return out
 
 
-def _scenarios(rank: int, world: int, folder: str, shared: str) -> Dict[str, Any]:
+def _faults(rank: int, world: int, folder: str, shared: str) -> Dict[str, Any]:
     policy, prompts = str(Path(shared) / "policy"), str(Path(shared) / "prompts.jsonl")
-    return {
-        "faults": _generator_faults(rank, folder, policy, prompts),
-        "dropout": _dropout_and_peft(rank, folder, policy, prompts),
-    }
+    return {"faults": _generator_faults(rank, folder, policy, prompts)}
 
 
-LAUNCH = Launch(_scenarios, WORLD, timeout=600, fixtures=("inputs",))
+def _dropout(rank: int, world: int, folder: str, shared: str) -> Dict[str, Any]:
+    policy, prompts = str(Path(shared) / "policy"), str(Path(shared) / "prompts.jsonl")
+    return {"dropout": _dropout_and_peft(rank, folder, policy, prompts)}
+
+
+LAUNCH = Launch((_faults, _dropout), WORLD, timeout=600, fixtures=("inputs",))
+"""Two launches side by side: while one's trainers wait on a generator process importing, the other's compute."""
 
 
 def test_a_generator_that_exits_is_killed_or_fails_a_rollout_makes_every_trainer_rank_raise(results: list) -> None:

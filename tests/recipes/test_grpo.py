@@ -34,6 +34,8 @@ from tests.recipes.grpo_formula import written_advantages
 from tests.recipes.second_model import TEACHER_VOCAB, make_llama_folder
 from tests.scenarios import full_grads, make_fabric
 
+pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
+
 WORLD = 2
 GROUP, PROMPTS_PER_RANK, LENGTH, PROMPT_LEN, MAX_NEW = 4, 2, 12, 5, 7
 CLIP, CLIP_HIGH = 0.2, 0.28
@@ -416,21 +418,28 @@ def _generator_ranks(rank: int, folder: str, policy: str, prompts: str) -> Dict[
     }  # fmt: skip
 
 
-def _scenarios(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
+def _formulas_and_generators(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
     policy, prompts = str(Path(inputs) / "policy"), str(Path(inputs) / "prompts.jsonl")
     return {
         "losses": _losses_on_given_rollouts(rank),
         "lengths": _different_lengths(rank),
         "fp32_head": _fp32_head(rank),
         "mismatch": _mismatch(rank),
+        "generators": _generator_ranks(rank, folder, policy, prompts),
+    }
+
+
+def _runs(rank: int, world: int, folder: str, inputs: str) -> Dict[str, Any]:
+    policy, prompts = str(Path(inputs) / "policy"), str(Path(inputs) / "prompts.jsonl")
+    return {
         "resume": _resume(rank, folder, policy, prompts),
         "mamba": _mamba(rank, folder, str(Path(inputs) / "mamba"), prompts),
-        "generators": _generator_ranks(rank, folder, policy, prompts),
         "one_update": _one_update(rank, folder, policy, prompts),
     }
 
 
-LAUNCH = Launch(_scenarios, WORLD, timeout=600, fixtures=("inputs",))
+LAUNCH = Launch((_formulas_and_generators, _runs), WORLD, timeout=600, fixtures=("inputs",))
+"""Two launches side by side: while one's trainers wait on a generator process importing, the other's compute."""
 
 
 # -- the inputs

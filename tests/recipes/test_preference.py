@@ -20,6 +20,7 @@ from lightning_mixedfsdp.recipes.objectives.preference import preference_scores
 from lightning_mixedfsdp.recipes.run.loader import load_recipe
 from lightning_mixedfsdp.recipes.settings.schema import DataSection, RecipeError
 from lightning_mixedfsdp.testing import run_distributed
+from tests.launch_together import run_together
 from tests.recipes.exports import assert_the_export_states_its_dtype
 from tests.recipes.second_model import equal_to_one_process, make_llama_folder
 
@@ -173,9 +174,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
     folder = tmp_path_factory.mktemp("preference")
     policy, pairs = make_llama_folder(folder / "policy"), _pairs_file(folder)
     make_llama_folder(folder / "wide_policy", hidden=256)  # its Linear shards fill NF4's blocks
-    ranks = run_distributed(_two_ranks, 2, str(policy), str(pairs), str(folder), timeout=600)
-    one = run_distributed(_one_process, 1, str(policy), str(pairs), str(folder), timeout=600)
-    return {"folder": folder, "ranks": ranks, "one": one[0]}
+    launched = run_together({  # side by side: each its own folder
+        "ranks": lambda: run_distributed(_two_ranks, 2, str(policy), str(pairs), str(folder), timeout=600),
+        "one": lambda: run_distributed(_one_process, 1, str(policy), str(pairs), str(folder), timeout=600)[0],
+    })  # fmt: skip
+    return {"folder": folder, **launched}
 
 
 def _export(folder: Path) -> Dict[str, torch.Tensor]:
