@@ -11,7 +11,7 @@ import logging
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from weakref import WeakKeyDictionary, WeakSet
 
 import torch
@@ -25,6 +25,13 @@ from lightning_mixedfsdp.apply.cross_replica import CrossReplicaReduce
 from lightning_mixedfsdp.apply.options import ApplyOptions
 from lightning_mixedfsdp.apply.semi_sync import OuterExchange, OuterSync, semi_sync_problems
 from lightning_mixedfsdp.apply.semi_sync_checkpoint import attach_outer_state
+from lightning_mixedfsdp.apply.tensor_parallel import (
+    TENSOR_PARALLEL_DIM,
+    apply_hf_tensor_parallel,
+    describe_split,
+    hf_tensor_parallel_plan,
+    tensor_parallel_problems,
+)
 from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.diagnostics.leaks import install_leak_check
 from lightning_mixedfsdp.materialize.meta import has_meta_tensors, materialize_sharded
@@ -59,21 +66,24 @@ def shard_model(
     cross_replica_reduce: Optional[CrossReplicaReduce] = None,
     context_parallel: Optional[ContextParallel] = None,
     outer_exchange: Optional[OuterExchange] = None,
+    split_in: str = "parallelize_fn",
 ) -> ShardedModel:
-    """Plan, apply, materialise, sync and check ``module``; ``config`` is validated already. Every data-parallel rank
-    calls it with the same model. ``cross_replica_reduce`` averages every gradient across fault-tolerant replica
-    groups, after its reduction within the group. ``context_parallel``: the run's one context parallelism (the
-    strategy's; made from ``meshes`` when not given). ``outer_exchange``: semi-synchronous replicas' link across
-    fault-tolerant replica groups."""
+    """Plan, apply, materialise, sync and check ``module`` (``config`` validated), with the same model on every
+    data-parallel rank. ``cross_replica_reduce`` averages gradients across fault-tolerant replica groups after the
+    group's reduction. ``context_parallel``: the run's one (the strategy's; else made from ``meshes``).
+    ``outer_exchange``: semi-synchronous replicas' link across replica groups. ``split_in``: where the user splits
+    the model (``parallelize_fn``; the Trainer's ``configure_model``), named when its own plan cannot split it."""
     if module in _SET_UP:
         raise RuntimeError(
             f"mixed_fsdp2: this {user_class_name(module)} is already set up (sharded, with hooks installed); a second"
             " setup would shard it again. Keep using the module the first setup returned, or build a fresh model to"
             " set up."
         )
-    context_problems = context_parallel_problems(module, config.parallelism.context_parallel_size)
-    if context_problems:  # the same model on every rank: every rank raises the same, before any collective
-        raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(context_problems))
+    float8 = config.float8.recipe is not None
+    parallelize, model_problems = _parallelize_or_own_plan(module, parallelize, meshes, split_in, float8)
+    model_problems += context_parallel_problems(module, config.parallelism.context_parallel_size)
+    if model_problems:  # the same model on every rank: every rank raises the same, before any collective
+        raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(model_problems))
     on_meta = has_meta_tensors(module)
     rng_state = torch.random.get_rng_state() if on_meta else None
     plan = plan_validated(module, config, bulk, shard_ranks=meshes.fsdp.shape[-1])
@@ -82,7 +92,7 @@ def shard_model(
         raise ValueError(f"mixed_fsdp2 ({user_class_name(module)}): " + " ".join(problems))
     _on_rank_zero(lambda: [warnings.warn(f"mixed_fsdp2: {w}", stacklevel=3) for w in plan.warnings])
     if config.diagnostics.print_report:
-        _on_rank_zero(lambda: log.info(format_plan(plan)))
+        _on_rank_zero(lambda: _log_report(plan, module, parallelize is apply_hf_tensor_parallel, meshes))
     options = ApplyOptions.of(config)
     parallelize = parallelize or _identity
     module, applied = apply_plan(
@@ -235,6 +245,38 @@ def mixed_dtype_fsdp_groups(module: nn.Module) -> List[str]:
                 f"{canonical_name(name) or '<root>'}: {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}"
             )
     return found
+
+
+def _log_report(plan: ShardPlan, module: nn.Module, own_split: bool, meshes: ParallelMeshes) -> None:
+    """The dtype report, and the split the model's own tensor-parallel plan makes when it makes one."""
+    log.info(format_plan(plan))
+    if own_split:
+        log.info(describe_split(module, _tensor_parallel_size(meshes)))
+
+
+def _parallelize_or_own_plan(
+    module: nn.Module, parallelize: Optional[ParallelizeFn], meshes: ParallelMeshes, split_in: str, float8: bool
+) -> Tuple[Optional[ParallelizeFn], List[str]]:
+    """The user's ``parallelize_fn``; without one, at ``tensor_parallel_size > 1``, a module the user split already
+    (DTensor params: ``configure_model``) as it is, else the model's own HF plan and why it cannot split the model
+    (one without a plan would compute the same whole projections on every TP rank). ``split_in``: where the user
+    splits a model (``parallelize_fn``; the Trainer's ``configure_model``, where Lightning lets a model stay whole:
+    a warning there, not a refusal)."""
+    from torch.distributed.tensor import DTensor
+
+    tensor_parallel = _tensor_parallel_size(meshes)
+    if parallelize is not None or tensor_parallel == 1 or any(isinstance(p, DTensor) for p in module.parameters()):
+        return parallelize, []
+    problems = tensor_parallel_problems(module, tensor_parallel, split_in, float8)
+    if problems and split_in == "configure_model" and hf_tensor_parallel_plan(module) is None and not float8:
+        _on_rank_zero(lambda: warnings.warn(f"mixed_fsdp2 ({user_class_name(module)}): {problems[0]}", stacklevel=4))
+        return parallelize, []
+    return apply_hf_tensor_parallel, problems
+
+
+def _tensor_parallel_size(meshes: ParallelMeshes) -> int:
+    names = meshes.root.mesh_dim_names or ()
+    return meshes.root[TENSOR_PARALLEL_DIM].size() if TENSOR_PARALLEL_DIM in names else 1
 
 
 def _identity(module: nn.Module, _: Any) -> nn.Module:

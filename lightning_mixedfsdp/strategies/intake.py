@@ -32,6 +32,8 @@ class IntakeMixin:
     _process_group_backend: Optional[str]
     _accelerator: Any
     root_device: torch.device  # provided by Lightning's strategies
+    _split_in = "parallelize_fn"
+    """Where the user applies tensor parallelism (the Trainer's: ``configure_model``), named by a refusal."""
 
     def _intake(self, config: ConfigInput, options: Dict[str, Any], process_group_backend: Optional[str]) -> None:
         """Before Lightning's ``__init__``, which already calls the precision setter that needs the config: the

@@ -162,7 +162,6 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin, PipelineMixin):
         ``bf16-mixed``), and FSDP groups it made with mixed dtypes are refused."""
         refuse_fsdp1_modules(module, type(self).__name__)
         complete_stages = self._cut_to_stages(module, parallelize) if self.pipelined else None
-        reduce = self._fault_tolerance.cross_replica_reduce
         sharded = shard_model(
             module,
             self._config,
@@ -170,9 +169,10 @@ class MixedFSDP2Mixin(IntakeMixin, CheckpointingMixin, PipelineMixin):
             self.meshes,
             self.root_device,
             parallelize,
-            reduce,
+            self._fault_tolerance.cross_replica_reduce,
             self._context_parallel,
             self._fault_tolerance.outer_exchange,
+            split_in=self._split_in,
         )
         if complete_stages is not None:
             complete_stages(sharded)

@@ -55,6 +55,8 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
     :class:`lightning_mixedfsdp.fabric.MixedFSDP2Strategy`.
     """
 
+    _split_in = "configure_model"
+
     def __init__(
         self,
         data_parallel_size: Optional[MeshSize] = None,
