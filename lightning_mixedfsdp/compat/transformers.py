@@ -6,9 +6,10 @@ Checked on transformers 5.23, 5.24 and 5.25 (``transformers/distributed/expert_p
 when called.
 """
 
+import contextlib
 import functools
 import re
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from torch import nn
 
@@ -191,32 +192,29 @@ def cached_step(model: nn.Module, input_ids: Any, attention_mask: Any, position_
     return out.logits, getattr(out, name)
 
 
-def decoder_attention_masks(decoder: nn.Module, hidden: Any, attention_mask: Any, position_ids: Any) -> Dict[str, Any]:
-    """The causal masks a Llama-family HF decoder (``model.model``) builds before its layers, by layer type
-    (``"full_attention"``, and ``"sliding_attention"`` where the config has sliding layers), as its own forward
-    builds them with no cache: what one pipeline stage's layers take. ``transformers.masking_utils``'
-    ``create_causal_mask`` and ``create_sliding_window_causal_mask`` take the cache as ``cache`` (5.24) or
-    ``past_key_values`` (5.23), named as :func:`cache_keyword` reads it."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    config = decoder.config
-    arguments = {
-        "config": config,
-        "inputs_embeds": hidden,
-        "attention_mask": attention_mask,
-        cache_keyword(): None,
-        "position_ids": position_ids,
-    }
-    masks = {"full_attention": create_causal_mask(**arguments)}
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)
-    return masks
+INPUT_EMBEDDING_SCALES = ("embedding_multiplier", "embed_scale", "embedding_scale")
+"""Decoder attributes by which an HF decoder's forward multiplies ``inputs_embeds`` whether or not it embedded the
+tokens itself (Granite and its MoE and hybrid kin: ``inputs_embeds = inputs_embeds * self.embedding_multiplier``;
+checked on 5.23, 5.24 and 5.25). A pipeline stage after the first passes the previous stage's hidden states as
+``inputs_embeds``, which must not be scaled again."""
 
 
-def decoder_layer_type(decoder: nn.Module, index: int) -> str:
-    """The attention type of layer ``index`` (``config.layer_types``; full attention where the config has none)."""
-    types = getattr(decoder.config, "layer_types", None)
-    return types[index] if types else "full_attention"
+@contextlib.contextmanager
+def hidden_states_as_inputs_embeds(decoder: nn.Module) -> Iterator[None]:
+    """While a stage after the first runs ``decoder`` on hidden states: each numeric
+    :data:`INPUT_EMBEDDING_SCALES` attribute is 1 (restored after). The setup's probe checks the stages, run in
+    order, against the uncut forward, so a scale under another name is refused, not applied twice."""
+    saved = {}
+    for name in INPUT_EMBEDDING_SCALES:
+        value = decoder.__dict__.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            saved[name] = value
+            setattr(decoder, name, 1.0)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(decoder, name, value)
 
 
 def causal_lm_output(logits: Any) -> Any:

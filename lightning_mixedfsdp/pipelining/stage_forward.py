@@ -4,29 +4,54 @@ The model object stays the user's (its class, its config, its methods): the modu
 removed, the block list becomes a ``ModuleDict`` keyed by each block's original index, so ``named_parameters()``
 yields this rank's params under the names they had (``model.layers.5.mlp.up_proj.weight``); its ``forward`` becomes
 the stages', chosen by the ``pipeline_stage`` keyword (several stages per rank share one module and one FSDP root).
+
+An HF decoder's stage runs the model's own forward (torchtitan's way): the decoder builds its masks, positions and
+rotary embeddings as it does uncut, and loops over every layer index, meeting a pass-through where a layer is not the
+stage's (:class:`StageBlocks`); a stage after the first passes the hidden states it received as ``inputs_embeds``, one
+before the last stops before the final norm, and the last runs the causal LM's head (soft-cap, logit scaling) as the
+model does.
 """
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Set, cast
 
 from torch import Tensor, nn
 
-from lightning_mixedfsdp.compat.transformers import causal_lm_output, decoder_attention_masks, decoder_layer_type
+from lightning_mixedfsdp.compat.transformers import causal_lm_output, hidden_states_as_inputs_embeds
 from lightning_mixedfsdp.planning.stages import HF_DECODER, BlockLayout, Stage
 
 
-def cut_to_stages(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> None:
-    """Remove from ``model`` every module none of ``stages`` holds, and install their forward."""
+def cut_to_stages(
+    model: nn.Module, layout: BlockLayout, stages: Sequence[Stage], block_outputs: Optional[Mapping[int, int]] = None
+) -> None:
+    """Remove from ``model`` every module none of ``stages`` holds, and install their forward. ``block_outputs``:
+    what each block of an HF decoder returns (:class:`ProbeResult`; a tensor where not probed)."""
     held = {name for stage in stages for name in stage.modules}
-    kept = nn.ModuleDict({name.rsplit(".", 1)[-1]: model.get_submodule(name) for name in layout.blocks if name in held})
-    _set_submodule(model, layout.block_list, kept)
+    if layout.family == HF_DECODER:
+        stage_blocks = StageBlocks(_block_list(model, layout), block_outputs or {})
+        for key in [key for key in stage_blocks.keys() if f"{layout.block_list}.{key}" not in held]:
+            del stage_blocks[key]
+        _set_submodule(model, layout.block_list, stage_blocks)
+    else:
+        kept = {name.rsplit(".", 1)[-1]: model.get_submodule(name) for name in layout.blocks if name in held}
+        _set_submodule(model, layout.block_list, nn.ModuleDict(kept))
     for name in layout.first + layout.last:
         if name not in held:
             _set_submodule(model, name, None)
     by_index = {stage.index: stage for stage in stages}
-    run = _hf_decoder_stage if layout.family == HF_DECODER else _sequence_stage
-    model.forward = functools.partial(_stage_forward, model, by_index, run)
+    model.forward = functools.partial(_stage_forward, model, by_index, _stage_runner(layout))
+
+
+def _block_list(model: nn.Module, layout: BlockLayout) -> List[nn.Module]:
+    return list(cast(nn.ModuleList, model.get_submodule(layout.block_list)))
+
+
+def _stage_runner(layout: BlockLayout) -> Callable[..., Tensor]:
+    if layout.family == HF_DECODER:
+        return functools.partial(_hf_decoder_stage, layout.last[0].rsplit(".", 1)[-1])
+    return _sequence_stage
 
 
 def output_wrapper(layout: BlockLayout) -> Callable[[Any], Any]:
@@ -59,36 +84,97 @@ def _stage_forward(
     return run(model, stages[pipeline_stage], inputs, **kwargs)
 
 
-def _hf_decoder_stage(model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
-    """A Llama-family decoder's forward for one stage, as its own forward runs with ``use_cache=False`` (training):
-    the embedding (first stage), the rotary embeddings, position ids and causal masks rebuilt from the micro-batch
-    (position ids that restart mid-row mark packed documents, and attention stays within each), the stage's layers,
-    the final norm and the head (last stage)."""
-    import torch
+class StageBlocks(nn.ModuleDict):
+    """An HF decoder's block list under pipeline stages: the blocks this rank holds, keyed by original index, while
+    the decoder's own forward loops over every index. Iterated or sliced (``self.layers[: num_hidden_layers]``), it
+    yields one module per index in order: the block itself where it belongs to the running stage (every held block
+    when none runs), else a pass-through that returns the hidden states as the block would (a tensor, or a tuple
+    headed by them) and carries the block's plain attributes (``attention_type``, ``layer_type``: some loops read
+    them)."""
 
+    _stand_ins: List[nn.Module]
+    _running: Optional[Set[int]]
+
+    def __init__(self, blocks: Sequence[nn.Module], outputs: Mapping[int, int]) -> None:
+        super().__init__({str(index): block for index, block in enumerate(blocks)})
+        stand_ins = [_PassThrough(_plain_attributes(block), outputs.get(i, 0)) for i, block in enumerate(blocks)]
+        object.__setattr__(self, "_stand_ins", stand_ins)
+        object.__setattr__(self, "_running", None)
+
+    @contextlib.contextmanager
+    def running(self, blocks: Iterable[str]) -> Iterator[None]:
+        """While one stage runs: its blocks (by name) are the ones iteration yields."""
+        previous = self._running
+        object.__setattr__(self, "_running", {int(name.rsplit(".", 1)[-1]) for name in blocks})
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_running", previous)
+
+    def _in_order(self) -> List[nn.Module]:
+        running = self._running
+        return [
+            self._modules[str(i)] if str(i) in self._modules and (running is None or i in running) else stand_in
+            for i, stand_in in enumerate(self._stand_ins)
+        ]
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return self._in_order()[key]
+        return super().__getitem__(str(key))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._in_order())
+
+    def __len__(self) -> int:
+        return len(self._stand_ins)
+
+
+class _PassThrough(nn.Module):
+    """A block another stage runs: its hidden states go on unchanged."""
+
+    def __init__(self, attributes: Dict[str, Any], outputs: int) -> None:
+        super().__init__()
+        self.__dict__.update(attributes)
+        self._outputs = outputs
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states if self._outputs == 0 else (hidden_states,) + (None,) * (self._outputs - 1)
+
+
+def _plain_attributes(block: nn.Module) -> Dict[str, Any]:
+    return {
+        name: value
+        for name, value in vars(block).items()
+        if not name.startswith("_") and name != "training" and isinstance(value, (str, int, float, bool, type(None)))
+    }
+
+
+def _hf_decoder_stage(norm: str, model: Any, stage: Stage, inputs: Tensor, **kwargs: Any) -> Tensor:
+    """One stage of an HF causal LM through its own forward (``use_cache=False``, as training runs it): token ids
+    on the first stage, the received hidden states as ``inputs_embeds`` after; the causal LM's logits on the last,
+    the decoder's hidden states before its final norm (``norm``) on the others."""
     decoder = model.model
-    hidden = decoder.embed_tokens(inputs) if stage.first else inputs
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-    masks = decoder_attention_masks(decoder, hidden, kwargs.get("attention_mask"), position_ids)
-    position_embeddings = decoder.rotary_emb(hidden, position_ids)
-    for name in stage.blocks:
-        index = int(name.rsplit(".", 1)[-1])
-        hidden = _block(decoder.layers, index)(
-            hidden,
-            attention_mask=masks[decoder_layer_type(decoder, index)],
-            position_embeddings=position_embeddings,
-            position_ids=position_ids,
-        )
-    if stage.last:
-        hidden = model.lm_head(decoder.norm(hidden))
-    return hidden
+    embedded = {"input_ids": inputs} if stage.first else {"inputs_embeds": inputs}
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(decoder.layers.running(stage.blocks))
+        if not stage.first:
+            scope.enter_context(hidden_states_as_inputs_embeds(decoder))
+        inputs_and_options = {**kwargs, **embedded, "use_cache": False}
+        if stage.last:  # the class's forward: the instance's is this one
+            return type(model).forward(model, **inputs_and_options).logits
+        scope.enter_context(_replaced(decoder, norm, nn.Identity()))
+        return decoder(**inputs_and_options).last_hidden_state
 
 
-def _block(blocks: nn.Module, index: int) -> nn.Module:
-    """Block ``index`` of the block list: a ``ModuleDict`` keyed by original index once cut, a ``ModuleList`` before."""
-    return blocks[str(index)] if isinstance(blocks, nn.ModuleDict) else blocks[index]  # type: ignore[index]
+@contextlib.contextmanager
+def _replaced(parent: nn.Module, name: str, module: nn.Module) -> Iterator[None]:
+    saved = parent._modules[name]
+    parent._modules[name] = module
+    try:
+        yield
+    finally:
+        parent._modules[name] = saved
 
 
 PROBE_ELEMENTS = 2_000_000_000
@@ -103,14 +189,16 @@ stages differ by exactly 0.0 in fp32 and bf16), and a forward that scales, soft-
 class ProbeResult(NamedTuple):
     gap: Optional[float]
     """The largest difference relative to the forward's largest magnitude (inf where the two differ in shape or
-    in where they are not finite); None where no probe ran."""
+    in where they are not finite, or where a stage raised); None where no probe ran."""
     reason: str
-    """Why no probe ran (empty where one did)."""
+    """Why no probe ran, or what a stage raised (empty otherwise)."""
+    block_outputs: Mapping[int, int] = {}
+    """An HF decoder's blocks by index, each with the number of values it returns (0: a tensor), as the probe saw."""
 
 
 def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> ProbeResult:
     """Run a probe through ``model``'s own forward and through every stage's forward in order (the model still whole,
-    in eval mode, no grad; every module's mode restored after), and compare."""
+    in eval mode, no grad; every module's mode and the block list restored after), and compare."""
     import torch
 
     params = list(model.parameters())
@@ -121,28 +209,81 @@ def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[S
     probe = _probe_input(model, layout, params[0].device)
     if probe is None:
         return ProbeResult(None, "its first module takes neither token ids (nn.Embedding) nor features (nn.Linear)")
-    run = _hf_decoder_stage if layout.family == HF_DECODER else _sequence_stage
     modes = {module: module.training for module in model.modules()}
     model.eval()
+    outputs: Dict[int, int] = {}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _counting_outputs(model, layout, outputs):
             expected = _output_tensor(model(probe))
+    except Exception as error:  # noqa: BLE001  # a probe the model does not take: nothing is known, said so
+        _restore_modes(modes)
+        return ProbeResult(None, f"its forward raised on a probe of shape {tuple(probe.shape)}: {error!r}")
+    if expected is None:
+        _restore_modes(modes)
+        return ProbeResult(None, "its forward returns no tensor (nor an output with logits)")
+    try:
+        running = stages[0].index
+        with torch.no_grad(), _stage_blocks_installed(model, layout, outputs):
             hidden = probe
             for stage in stages:
-                hidden = run(model, stage, hidden)
-    except Exception as error:  # noqa: BLE001  # a probe the model does not take: nothing is known, said so
-        return ProbeResult(None, f"its forward raised on a probe of shape {tuple(probe.shape)}: {error!r}")
+                running = stage.index
+                hidden = _stage_runner(layout)(model, stage, hidden)
+    except Exception as error:  # noqa: BLE001  # the stages cannot run what the forward runs: refused with it
+        return ProbeResult(float("inf"), f"stage {running} raised {error!r}", outputs)
     finally:
-        for module, training in modes.items():
-            module.training = training
-    if expected is None:
-        return ProbeResult(None, "its forward returns no tensor (nor an output with logits)")
+        _restore_modes(modes)
+    return ProbeResult(_relative_gap(expected, hidden), "", outputs)
+
+
+def _restore_modes(modes: Dict[nn.Module, bool]) -> None:
+    for module, training in modes.items():
+        module.training = training
+
+
+def _relative_gap(expected: Tensor, got: Tensor) -> float:
+    import torch
+
     finite = torch.isfinite(expected)
-    if expected.shape != hidden.shape or not torch.equal(finite, torch.isfinite(hidden)):
-        return ProbeResult(float("inf"), "")
+    if expected.shape != got.shape or not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
     scale = expected[finite].float().abs().max().clamp_min(1e-6) if finite.any() else expected.new_ones(())
-    gap = (expected[finite].float() - hidden[finite].float()).abs().max() if finite.any() else scale * 0
-    return ProbeResult(float(gap / scale), "")
+    gap = (expected[finite].float() - got[finite].float()).abs().max() if finite.any() else scale * 0
+    return float(gap / scale)
+
+
+@contextlib.contextmanager
+def _counting_outputs(model: nn.Module, layout: BlockLayout, outputs: Dict[int, int]) -> Iterator[None]:
+    """Records in ``outputs`` what each block of an HF decoder returns (0: a tensor, else a tuple's length)."""
+    if layout.family != HF_DECODER:
+        yield
+        return
+
+    def count(index: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            outputs[index] = 0 if isinstance(output, Tensor) else len(output)
+
+        return hook
+
+    handles = [block.register_forward_hook(count(i)) for i, block in enumerate(_block_list(model, layout))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _stage_blocks_installed(model: nn.Module, layout: BlockLayout, outputs: Mapping[int, int]) -> Iterator[None]:
+    """An HF decoder's block list as :class:`StageBlocks` (all held) while the stages run; the user's after."""
+    if layout.family != HF_DECODER:
+        yield
+        return
+    original = model.get_submodule(layout.block_list)
+    _set_submodule(model, layout.block_list, StageBlocks(_block_list(model, layout), outputs))
+    try:
+        yield
+    finally:
+        _set_submodule(model, layout.block_list, original)
 
 
 def _probe_input(model: nn.Module, layout: BlockLayout, device: Any) -> Optional[Tensor]:

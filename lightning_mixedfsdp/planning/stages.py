@@ -2,9 +2,9 @@
 modules each stage holds.
 
 A model is split when its parts are known (:func:`block_layout`):
-- an HF decoder of the Llama family (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``model.rotary_emb``,
-  ``lm_head``; :data:`LLAMA_FAMILY`): its stage forward rebuilds the rotary embeddings, the position ids and the
-  causal mask from each micro-batch (``pipelining/stage_forward.py``);
+- an HF causal LM whose decoder (``model.model``) holds ``embed_tokens``, a ``layers`` ``ModuleList`` and one more
+  module with params (its final norm), beside ``lm_head``: each stage runs the model's own forward with the other
+  stages' layers passed over (``pipelining/stage_forward.py``), checked at setup against the uncut forward on a probe;
 - a model that names its block list in a class attribute ``pipeline_blocks = "layers"`` (this project's own), or any
   model given ``pipeline_split``: the modules registered before the block list run first, then the blocks, then the
   modules after it, each on the previous one's output (keyword inputs its ``forward`` takes passed along).
@@ -16,7 +16,7 @@ runs on pipeline rank ``s % pipeline_parallel_size`` (torch's loop order for sev
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, cast
 
 from torch import nn
 
@@ -24,11 +24,12 @@ from lightning_mixedfsdp.model.names import is_hf_model, user_class_name
 
 HF_DECODER, SEQUENCE = "hf_decoder", "sequence"
 
-LLAMA_FAMILY = frozenset({"llama", "qwen2", "qwen3", "olmo2"})
-"""HF ``model_type`` values whose decoder runs embed -> layers (with rotary embeddings and a causal mask per layer
-type) -> norm -> head, as Llama's does, each checked to the bit against the model's own forward
-(``tests/pipelining/test_stage_plans.py``). Not in it: Mistral (its sliding window is a config field, not a layer
-type), Granite (it scales its embeddings, residuals and logits), and every other class until checked."""
+CHECKED_DECODERS = frozenset(
+    {"llama", "qwen2", "qwen3", "olmo2", "mistral", "granite", "gemma3_text", "qwen3_moe", "deepseek_v3", "jamba"}
+)
+"""HF ``model_type`` values whose stages, run in order, the suite checks to the bit against the model's own forward
+(``tests/pipelining/test_stage_plans.py``): where setup cannot probe (params on the meta device), these split without
+a warning."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class BlockLayout:
     """Where a model's parts are: what runs before its blocks, the blocks, what runs after."""
 
     family: str
-    """``"hf_decoder"`` (a Llama-family HF decoder) or ``"sequence"`` (each part on the previous part's output)."""
+    """``"hf_decoder"`` (an HF causal LM's decoder) or ``"sequence"`` (each part on the previous part's output)."""
     first: Tuple[str, ...]
     """Modules before the blocks (the embedding), on the first stage."""
     blocks: Tuple[str, ...]
@@ -72,19 +73,34 @@ class Stage:
 
 def block_layout(model: nn.Module, split: Optional[Sequence[str]] = None) -> Optional[BlockLayout]:
     """``model``'s layout, or None when it cannot be split (the caller refuses it by name)."""
-    if is_hf_model(model) and getattr(model.config, "model_type", None) in LLAMA_FAMILY:
-        inner = getattr(model, "model", None)
-        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-        if inner is not None and all(hasattr(inner, p) for p in parts) and hasattr(model, "lm_head"):
-            if isinstance(inner.layers, nn.ModuleList):
-                blocks = tuple(f"model.layers.{i}" for i in range(len(inner.layers)))
-                first, last = ("model.embed_tokens",), ("model.norm", "lm_head")
-                return BlockLayout(HF_DECODER, first, blocks, last, "model.layers")
+    if is_hf_model(model):
+        decoder = _hf_decoder_layout(model)
+        if decoder is not None:
+            return decoder
     declared = getattr(type(model), "pipeline_blocks", None)
     list_name = declared if isinstance(declared, str) else _parent(split[0]) if split else None
     if list_name is None:
         return None
     return _sequence_layout(model, list_name)
+
+
+def _hf_decoder_layout(model: nn.Module) -> Optional[BlockLayout]:
+    """An HF causal LM's layout: ``model.embed_tokens`` first, ``model.layers`` the blocks, the decoder's one other
+    child with params (its final norm, whatever its name) and ``lm_head`` last; None where the parts differ."""
+    decoder = getattr(model, "model", None)
+    if not isinstance(decoder, nn.Module) or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return None
+    if not hasattr(decoder, "embed_tokens") or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return None
+    others = [
+        name
+        for name, child in decoder.named_children()
+        if name not in ("embed_tokens", "layers") and any(True for _ in child.parameters())
+    ]
+    if len(others) != 1:
+        return None
+    blocks = tuple(f"model.layers.{i}" for i in range(len(cast(nn.ModuleList, decoder.layers))))
+    return BlockLayout(HF_DECODER, ("model.embed_tokens",), blocks, (f"model.{others[0]}", "lm_head"), "model.layers")
 
 
 def _parent(name: str) -> str:
@@ -147,12 +163,13 @@ def plan_stages(
             reason = f"pipeline_split={list(split)} does not name blocks of a top-level ModuleList"
             return None, [f"{reason}; give names like 'layers.4' of the model's block list."]
         return None, [
-            f"{name} cannot be split into pipeline stages automatically: HF decoders of the Llama family"
-            f' ({", ".join(sorted(LLAMA_FAMILY))}) and models that declare `pipeline_blocks = "layers"` are;'
-            " give pipeline_split=['layers.4', ...] (the blocks that begin each stage after the first) for a model"
-            " whose forward runs the modules before its block list, the blocks, and the modules after, in order."
+            f"{name} cannot be split into pipeline stages automatically: HF causal LMs whose decoder holds"
+            " `embed_tokens`, a `layers` ModuleList and one final norm, and models that declare"
+            " `pipeline_blocks = \"layers\"`, are; give pipeline_split=['layers.4', ...] (the blocks that begin"
+            " each stage after the first) for a model whose forward runs the modules before its block list, the"
+            " blocks, and the modules after, in order."
         ]
-    problems = []
+    problems = _router_loss_problems(model, name) if layout.family == HF_DECODER else []
     tied = tied_to_head(model, layout)
     if tied:
         problems.append(
@@ -174,6 +191,19 @@ def plan_stages(
             " or set pipeline_parallel_size=1."
         )
     return (None if problems else stages), problems
+
+
+def _router_loss_problems(model: nn.Module, name: str) -> List[str]:
+    """An MoE decoder asked for its routers' load-balancing loss: the model adds it up over every layer in its own
+    forward, and each stage holds a part of them (the loss the last stage returned would hold its own layers' only)."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return []
+    return [
+        f"{name} has output_router_logits=True: its forward sums the routers' load-balancing loss over every layer,"
+        " and under pipeline stages each stage holds only its own layers, so the loss would miss the others' part;"
+        " set config.output_router_logits=False (and, for a load-balancing term, add one computed in each stage's"
+        " layers) or set pipeline_parallel_size=1."
+    ]
 
 
 def _balanced(layout: BlockLayout, num_stages: int, name: str) -> Tuple[List[Stage], List[str]]:

@@ -2,7 +2,7 @@
 trains it, ``strategy.pipeline_step(model, inputs, target=..., loss_fn=...)`` (Lightning's contract has none: a
 forward and a backward cannot be separate calls when micro-batches interleave them across ranks)."""
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Mapping, Optional
 from weakref import WeakKeyDictionary
 
 import torch
@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from lightning_mixedfsdp.checkpoint.export import PipelineStages
 from lightning_mixedfsdp.config import MixedFSDPConfig
-from lightning_mixedfsdp.mesh import ParallelMeshes
+from lightning_mixedfsdp.mesh import TENSOR_PARALLEL, ParallelMeshes
 from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
 from lightning_mixedfsdp.model.pipeline_stages import mark_pipeline_stage
 from lightning_mixedfsdp.model_setup import ShardedModel
@@ -23,6 +23,7 @@ from lightning_mixedfsdp.pipelining.stage_forward import (
     output_wrapper,
 )
 from lightning_mixedfsdp.planning.stages import (
+    CHECKED_DECODERS,
     HF_DECODER,
     BlockLayout,
     Stage,
@@ -67,11 +68,11 @@ class PipelineMixin:
             raise ValueError(f"{owner}: " + " ".join(problems))
         layout = block_layout(module, split)
         assert layout is not None
-        self._check_composed_stages(module, layout, stages, owner)
+        block_outputs = self._check_composed_stages(module, layout, stages, owner)
         mesh = self.meshes.pipeline
         assert mesh is not None
         mine = [stages[index] for index in stages_of_rank(mesh.get_local_rank(), size, per_rank)]
-        cut_to_stages(module, layout, mine)
+        cut_to_stages(module, layout, mine, block_outputs)
 
         def complete(sharded: ShardedModel) -> None:
             from torch.distributed.fsdp import FSDPModule
@@ -96,9 +97,12 @@ class PipelineMixin:
 
         return complete
 
-    def _check_composed_stages(self, module: nn.Module, layout: BlockLayout, stages: List[Stage], owner: str) -> None:
+    def _check_composed_stages(
+        self, module: nn.Module, layout: BlockLayout, stages: List[Stage], owner: str
+    ) -> Mapping[int, int]:
         """The stages run in order must compute what ``module``'s own forward computes, on a probe (the model still
-        whole on every rank): refused on every rank where they do not (the largest gap over the ranks decides)."""
+        whole on every rank): refused on every rank where they do not (the largest gap over the ranks decides).
+        Returns what each block of an HF decoder returns, as the probe saw."""
         import torch.distributed as dist
 
         probe = composed_stage_gap(module, layout, stages)
@@ -106,22 +110,22 @@ class PipelineMixin:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # inf stays inf; every rank decides alike
         name = user_class_name(module)
         if float(worst) < 0:
-            if layout.family == HF_DECODER:
-                return  # the Llama family's stage forward, checked to the bit against transformers' (the suite)
-            rank_zero_warn(
-                f"{owner}: the pipeline stages of {name} were not checked against its forward ({probe.reason}):"
-                " make sure its forward runs the modules before its block list, the blocks and the modules after,"
-                " in order, and nothing else."
-            )
+            checked = layout.family == HF_DECODER and getattr(module.config, "model_type", None) in CHECKED_DECODERS
+            if not checked:  # a checked decoder's stages equal its forward to the bit (the suite)
+                rank_zero_warn(
+                    f"{owner}: the pipeline stages of {name} were not checked against its forward ({probe.reason}):"
+                    " make sure its forward runs the modules before its block list, the blocks and the modules"
+                    " after, in order, and nothing else."
+                )
         elif float(worst) > PROBE_TOLERANCE:
+            raised = f" ({probe.reason})" if probe.reason else ""
             raise ValueError(
                 f"{owner}: {name}'s pipeline stages, run in order, do not compute what {name}.forward computes (on a"
-                f" probe their output is {float(worst):.3g} of its largest magnitude away from the forward's): its"
-                " forward does more than run its children in order (a scaled embedding, residual or logits, a"
-                " soft-cap, a skip connection), and each stage runs only its own modules. Make the forward only call"
-                " the modules before the block list, the blocks and the modules after, moving the rest into those"
-                " modules, or set pipeline_parallel_size=1."
+                f" probe their output is {float(worst):.3g} of its largest magnitude away from the forward's{raised}):"
+                f" {_what_a_stage_runs(layout)} Make the forward only call the modules before the block list, the"
+                " blocks and the modules after, moving the rest into those modules, or set pipeline_parallel_size=1."
             )
+        return probe.block_outputs
 
     def pipeline_step(
         self,
@@ -189,16 +193,35 @@ class PipelineMixin:
         return self.meshes.replicas.get_group() if self.pipelined else None
 
     def _export_stages(self) -> Optional[PipelineStages]:
-        """How an export reaches across the stages (each stage's first data-parallel rank sends to rank 0), or
-        None without pipeline parallelism."""
+        """How an export reaches across the stages (each stage's first data-parallel and tensor-parallel rank, in
+        rank 0's pipeline group, sends to rank 0), or None without pipeline parallelism."""
         group = self._pipeline_group()
         if group is None:
             return None
-        return PipelineStages(group, sends=self.meshes.data_parallel.get_local_rank() == 0)
+        first_of_stage = self.meshes.data_parallel.get_local_rank() == 0 and self._tensor_parallel_rank() == 0
+        return PipelineStages(group, sends=first_of_stage)
+
+    def _tensor_parallel_rank(self) -> int:
+        """This rank's place among its tensor-parallel ranks (0 without tensor parallelism)."""
+        root = self.meshes.root
+        return root[TENSOR_PARALLEL].get_local_rank() if TENSOR_PARALLEL in (root.mesh_dim_names or ()) else 0
 
     def _pipeline_group(self) -> Optional[Any]:
         """The pipeline ranks' group (gradient norms add up over it), or None."""
         return self.meshes.pipeline.get_group() if self.pipelined and self.meshes.pipeline is not None else None
+
+
+def _what_a_stage_runs(layout: BlockLayout) -> str:
+    if layout.family == HF_DECODER:
+        return (
+            "each stage runs the model's forward with the other stages' layers passed over, and a stage after the"
+            " first receives hidden states as `inputs_embeds`; the forward does something to them that the first"
+            " stage's embedding does not (a scale, a skip connection around the layers)."
+        )
+    return (
+        "its forward does more than run its children in order (a scaled embedding, residual or logits, a soft-cap, a"
+        " skip connection), and each stage runs only its own modules."
+    )
 
 
 def _direct_call_guard(runner: PipelineRunner, owner: str, held: Any, num_stages: int) -> Callable[..., None]:

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 from torch import nn
+from transformers import LlamaModel
 
 from lightning_mixedfsdp import load_full_weights
 from tests.conftest import Launch
@@ -125,6 +126,32 @@ def _step(fabric: Any, model: nn.Module, optimizer: Any, batch: torch.Tensor) ->
     return loss
 
 
+DECODERS = {
+    "mistral": {"sliding_window": 4},  # a window shorter than the rows
+    "gemma3_text": {"sliding_window": 4, "final_logit_softcapping": 30.0},
+    "qwen3_moe": {},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.5, "logits_scaling": 8.0},
+}
+"""HF decoders whose forward differs from Llama's, each in two stages through its own forward."""
+SGD_LR = 0.5
+"""Large enough that a gradient off by a factor (a micro-batch counted twice) moves params visibly off."""
+
+
+def decoder(model_type: str) -> nn.Module:
+    return tiny_model(model_type, num_hidden_layers=LAYERS, tie_word_embeddings=False, **DECODERS[model_type])
+
+
+def _decoders(rank: int) -> Dict[str, Any]:
+    out = {}
+    for model_type in DECODERS:
+        fabric = make_fabric(WORLD, "32-true", pipelined())
+        model = fabric.setup(decoder(model_type))
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=SGD_LR))
+        losses = [_step(fabric, model, optimizer, batch) for batch in batches()[:STEPS]]
+        out[model_type] = {"losses": losses, "params": full_params(model)}
+    return out
+
+
 def _checkpoints(rank: int, folder: str) -> Dict[str, Any]:
     """Save at PP 2, resume at PP 2 (bitwise, and the next step equal) and load at PP 1 x FSDP 2; save at PP 1 x
     FSDP 2 and load at PP 2."""
@@ -200,6 +227,9 @@ def _refusals(rank: int) -> Dict[str, str]:
     refused("scaled_forward", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(ScaledBlocks()))
     capped = ScaledBlocks(scale=1.0, cap=30.0)  # Gemma 2's soft-cap: at a random init's logits of order 1, ~1e-4 off
     refused("soft_capped", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(capped))
+    scaled_inputs = llama()
+    scaled_inputs.model.__class__ = ScaledInputsLlama
+    refused("scaled_inputs_embeds", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(scaled_inputs))
     return out
 
 
@@ -233,9 +263,20 @@ class ScaledBlocks(nn.Module):
         return logits if self.cap is None else self.cap * torch.tanh(logits / self.cap)
 
 
+class ScaledInputsLlama(LlamaModel):
+    """A user's decoder that scales whatever ``inputs_embeds`` it gets, under a name transformers' own models do not
+    use: a stage after the first would scale the hidden states it receives again."""
+
+    def forward(self, input_ids: Any = None, inputs_embeds: Any = None, **kwargs: Any) -> Any:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        return super().forward(inputs_embeds=inputs_embeds * 3.0, **kwargs)
+
+
 def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {
         "schedules": _schedules(rank),
+        "decoders": _decoders(rank),
         "bf16": _bf16_stages(rank, folder),
         "checkpoints": _checkpoints(rank, folder),
         "refusals": _refusals(rank),
@@ -305,6 +346,30 @@ def assert_equal_to_one_process(results: list, reference: Dict[str, Any], schedu
     assert set(params) == set(reference["params"])
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value.detach(), atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("model_type", list(DECODERS))
+def test_a_decoder_unlike_llama_trains_in_two_stages_as_one_process(results: list, model_type: str) -> None:
+    """Mistral's window shorter than the rows, Gemma 3's scaled embedding, sliding and global layers and soft-capped
+    logits, Qwen3-MoE's routed experts, Granite's scaled embeddings, residuals and logits: each stage runs the model's
+    own forward, so SGD steps at a large rate move every param as one process's do."""
+    model = decoder(model_type)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    for result in results:
+        assert result["decoders"][model_type]["losses"] == pytest.approx(losses, abs=1e-5)
+    params = merged(results, "decoders", model_type, "params")
+    assert set(params) == set(initial)
+    for name, param in model.named_parameters():
+        movement = (param.detach() - initial[name]).abs().max().item()
+        torch.testing.assert_close(params[name], param.detach(), atol=max(1e-2 * movement, 1e-6), rtol=0, msg=name)
 
 
 def test_each_rank_holds_its_stages_under_their_original_names(results: list) -> None:
@@ -393,6 +458,8 @@ REFUSALS = {
     " not compute what ScaledBlocks.forward computes",
     "soft_capped": "ValueError: MixedFSDP2Strategy (ScaledBlocks): ScaledBlocks's pipeline stages, run in order, do"
     " not compute what ScaledBlocks.forward computes",
+    "scaled_inputs_embeds": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): LlamaForCausalLM's pipeline stages,"
+    " run in order, do not compute what LlamaForCausalLM.forward computes (on a probe their output is",
 }
 
 

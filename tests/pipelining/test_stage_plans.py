@@ -42,10 +42,6 @@ OPTION_REFUSALS = {
         dict(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", pipeline_microbatches=5),
         "pipeline_microbatches=5 does not split into Interleaved1F1B's 2 rounds",
     ),
-    "tensor_parallel": (
-        dict(pipeline_parallel_size=2, tensor_parallel_size=2),
-        "pipeline_parallel_size=2 with tensor_parallel_size=2 is not supported yet",
-    ),
     "context_parallel": (
         dict(pipeline_parallel_size=2, context_parallel_size=2),
         "pipeline_parallel_size=2 with context_parallel_size=2 is not supported yet",
@@ -198,34 +194,75 @@ def test_the_planner_prints_each_stage_with_its_memory(tmp_path: Any, capsys: An
     assert "per rank during a step" in one_f_one_b.split("stage 1")[1]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "olmo2"])
-def test_a_stage_forward_computes_what_the_models_own_forward_does(model_type: str) -> None:
-    """One stage holding every module, on packed rows with sliding windows shorter than the rows: the logits of the
-    model's own training forward (``use_cache=False``), to the bit."""
+DECODERS = {
+    "llama": {},
+    "qwen2": {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1},
+    "qwen3": {},
+    "olmo2": {},
+    "mistral": {"sliding_window": 4},  # a window shorter than the rows
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.5, "logits_scaling": 8.0},
+    "gemma3_text": {"sliding_window": 4, "final_logit_softcapping": 30.0},  # scaled embedding, local and global
+    "qwen3_moe": {},
+    "deepseek_v3": {},
+    "jamba": {},  # a Mamba hybrid: attention and Mamba layers, experts every other layer
+}
+"""Every model type of ``CHECKED_DECODERS``, with the options that make its forward differ from Llama's."""
+
+
+def test_every_checked_decoder_is_tested_here() -> None:
+    from lightning_mixedfsdp.planning.stages import CHECKED_DECODERS
+
+    assert set(DECODERS) == CHECKED_DECODERS
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODERS))
+def test_two_stages_on_one_rank_compute_what_the_models_own_forward_does(model_type: str) -> None:
+    """A decoder of 4 layers cut to two stages both held here (the layers of the other stage passed over, the norm
+    skipped before the last stage, hidden states passed on as ``inputs_embeds``), on packed rows: the logits of the
+    model's own training forward (``use_cache=False``), to the bit; the setup's probe measures a gap of 0."""
     import torch
 
-    from lightning_mixedfsdp.pipelining.stage_forward import cut_to_stages
-    from lightning_mixedfsdp.planning.stages import Stage, block_layout
+    from lightning_mixedfsdp.pipelining.stage_forward import composed_stage_gap, cut_to_stages
+    from lightning_mixedfsdp.planning.stages import block_layout
 
-    windows = {"qwen2": {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1}}
-    model = tiny_model(model_type, num_hidden_layers=2, tie_word_embeddings=False, **windows.get(model_type, {}))
+    model = tiny_model(model_type, num_hidden_layers=4, tie_word_embeddings=False, **DECODERS[model_type]).float()
     model.eval()
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     positions = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, -1)
     with torch.no_grad():
         expected = model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    stages, found = plan_stages(model, 2)
     layout = block_layout(model)
-    assert layout is not None
-    cut_to_stages(model, layout, [Stage(0, layout.first, layout.blocks, layout.last)])
+    assert stages is not None and layout is not None, found
+    probe = composed_stage_gap(model, layout, stages)
+    assert probe.gap == 0.0, probe
+    cut_to_stages(model, layout, stages, probe.block_outputs)
     with torch.no_grad():
-        got = model(tokens, pipeline_stage=0, position_ids=positions)
+        hidden = model(tokens, pipeline_stage=0, position_ids=positions)
+        got = model(hidden, pipeline_stage=1, position_ids=positions)
     assert torch.equal(got, expected)
+    assert [name for name, _ in model.named_parameters()] == [
+        name
+        for name, _ in tiny_model(
+            model_type, num_hidden_layers=4, tie_word_embeddings=False, **DECODERS[model_type]
+        ).named_parameters()
+    ]
 
 
-@pytest.mark.parametrize("model_type", ["granite", "mistral"])
-def test_a_decoder_whose_forward_differs_from_llamas_is_refused_by_name(model_type: str) -> None:
-    """Granite multiplies its embeddings, residuals and logits; Mistral's sliding window is a config field, not a
-    layer type: the Llama-family stage forward would compute something else, silently."""
-    model = tiny_model(model_type, num_hidden_layers=2, tie_word_embeddings=False)
+def test_a_decoder_without_the_parts_of_a_causal_lm_is_refused_by_name() -> None:
+    """Mamba's causal LM has a ``backbone``, not a ``model`` with ``embed_tokens`` and ``layers``."""
+    model = tiny_model("mamba", num_hidden_layers=2)
     stages, found = plan_stages(model, 2)
     assert stages is None and f"{type(model).__name__} cannot be split into pipeline stages automatically" in found[0]
+
+
+def test_a_router_loss_that_sums_over_every_layer_is_refused_under_stages() -> None:
+    model = tiny_model("qwen3_moe", num_hidden_layers=2, tie_word_embeddings=False, output_router_logits=True)
+    stages, found = plan_stages(model, 2)
+    assert stages is None
+    assert found == [
+        "Qwen3MoeForCausalLM has output_router_logits=True: its forward sums the routers' load-balancing loss over"
+        " every layer, and under pipeline stages each stage holds only its own layers, so the loss would miss the"
+        " others' part; set config.output_router_logits=False (and, for a load-balancing term, add one computed in"
+        " each stage's layers) or set pipeline_parallel_size=1."
+    ]
