@@ -505,7 +505,6 @@ def pipeline_problems(parallelism: "Parallelism") -> List[str]:
             f" pipeline_parallel_size={size} micro-batches each; use a multiple of {size}, e.g. {fit}."
         )
     others = {
-        "tensor_parallel_size": parallelism.tensor_parallel_size != 1,
         "context_parallel_size": parallelism.context_parallel_size != 1,
         "expert_parallel_size": parallelism.expert_parallel_size != 1,
         "replicate_sync": parallelism.replicate_sync != "every_step",
@@ -514,7 +513,8 @@ def pipeline_problems(parallelism: "Parallelism") -> List[str]:
         if set_:
             problems.append(
                 f"pipeline_parallel_size={size} with {name}={getattr(parallelism, name)!r} is not supported yet:"
-                " pipeline stages compose with FSDP and HSDP (data_parallel_size, data_parallel_replicate_size) here;"
+                " pipeline stages compose with FSDP, HSDP and tensor parallelism (data_parallel_size,"
+                " data_parallel_replicate_size, tensor_parallel_size) here;"
                 f" leave {name} at its default or set pipeline_parallel_size=1."
             )
     return problems

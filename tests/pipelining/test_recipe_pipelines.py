@@ -21,9 +21,9 @@ REFUSALS = {
         ["conf/stdlib_llama.yaml", "data.batch_size=7"],
         "data.batch_size=7 does not split into 2 pipeline micro-batches",
     ),
-    "tensor_parallel": (
-        ["conf/stdlib_llama.yaml", "strategy.parallelism.tensor_parallel_size=2"],
-        "pipeline_parallel_size=2 with tensor_parallel_size=2 is not supported yet",
+    "context_parallel": (
+        ["conf/stdlib_llama.yaml", "strategy.parallelism.context_parallel_size=2"],
+        "pipeline_parallel_size=2 with context_parallel_size=2 is not supported yet",
     ),
 }
 
