@@ -318,7 +318,8 @@ def pipeline_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:
     else:
         fsdp = root[DP_REPLICATE, DP_SHARD]
         data_parallel = flatten_mesh(fsdp, DATA_PARALLEL)
-    return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel, pipeline=root[PIPELINE])
+    experts = expert_meshes(dims, device_type, root[TENSOR_PARALLEL]) if dims.expert_parallel > 1 else None
+    return ParallelMeshes(root=root, fsdp=fsdp, data_parallel=data_parallel, pipeline=root[PIPELINE], experts=experts)
 
 
 def context_parallel_meshes(dims: ParallelDims, device_type: str) -> ParallelMeshes:
@@ -348,23 +349,18 @@ def context_parallel_meshes(dims: ParallelDims, device_type: str) -> ParallelMes
 
 
 def expert_meshes(dims: ParallelDims, device_type: str, tensor_parallel: "DeviceMesh") -> ExpertMeshes:
-    """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike."""
+    """Rank ``r * shard + s`` holds batch ``s`` of replica ``r`` in the dense and the expert meshes alike; under
+    pipeline stages the pipeline dim comes first in both (each stage's experts split over its own ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dims.replicate == 1:
-        root = init_device_mesh(
-            device_type,
-            (dims.expert_shard, dims.expert_parallel),
-            mesh_dim_names=(EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
-        )
-        fsdp = root[EXPERT_DATA_PARALLEL]
-    else:
-        root = init_device_mesh(
-            device_type,
-            (dims.replicate, dims.expert_shard, dims.expert_parallel),
-            mesh_dim_names=(DP_REPLICATE, EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
-        )
-        fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL]
+    outer = ((dims.pipeline,), (PIPELINE,)) if dims.pipeline > 1 else ((), ())
+    replicas = ((dims.replicate,), (DP_REPLICATE,)) if dims.replicate > 1 else ((), ())
+    root = init_device_mesh(
+        device_type,
+        (*outer[0], *replicas[0], dims.expert_shard, dims.expert_parallel),
+        mesh_dim_names=(*outer[1], *replicas[1], EXPERT_DATA_PARALLEL, EXPERT_PARALLEL),
+    )
+    fsdp = root[DP_REPLICATE, EXPERT_DATA_PARALLEL] if dims.replicate > 1 else root[EXPERT_DATA_PARALLEL]
     return ExpertMeshes(
         root=root,
         fsdp=fsdp,

@@ -506,15 +506,14 @@ def pipeline_problems(parallelism: "Parallelism") -> List[str]:
         )
     others = {
         "context_parallel_size": parallelism.context_parallel_size != 1,
-        "expert_parallel_size": parallelism.expert_parallel_size != 1,
         "replicate_sync": parallelism.replicate_sync != "every_step",
     }
     for name, set_ in others.items():
         if set_:
             problems.append(
                 f"pipeline_parallel_size={size} with {name}={getattr(parallelism, name)!r} is not supported yet:"
-                " pipeline stages compose with FSDP, HSDP and tensor parallelism (data_parallel_size,"
-                " data_parallel_replicate_size, tensor_parallel_size) here;"
+                " pipeline stages compose with FSDP, HSDP, tensor and expert parallelism (data_parallel_size,"
+                " data_parallel_replicate_size, tensor_parallel_size, expert_parallel_size) here;"
                 f" leave {name} at its default or set pipeline_parallel_size=1."
             )
     return problems

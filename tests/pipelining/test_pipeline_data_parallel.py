@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import Launch
+from tests.hf_models import tiny_model
 from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged, one_process
 from tests.scenarios import full_params, make_fabric, unwrap
 
@@ -121,6 +122,35 @@ def _tensor_parallel_stages(rank: int, folder: str) -> Dict[str, Any]:
     return out
 
 
+def _expert_parallel_stages(rank: int) -> Dict[str, Any]:
+    """Qwen3-MoE in two stages, each over 2 data-parallel ranks that split its experts (EP 2): SGD at a rate where a
+    token routed to the wrong rank or a grad reduced twice shows."""
+    from lightning_mixedfsdp.fabric import MixedFSDP2Strategy
+
+    options = dict(pipeline_parallel_size=2, pipeline_microbatches=2, data_parallel_size=2, expert_parallel_size=2)
+    fabric = make_fabric(WORLD, "32-true", MixedFSDP2Strategy(**options))
+    model = fabric.setup(moe())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=MOE_LR))
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    losses = []
+    for batch in batches()[:STEPS]:
+        part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
+        loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
+        torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
+        losses.append(loss.item() / sampler["num_replicas"])
+        optimizer.step()
+        optimizer.zero_grad()
+    placements = {n: describe_placements(param) for n, param in unwrap(model).named_parameters()}
+    return {"losses": losses, "params": full_params(model), "placements": placements}
+
+
+MOE_LR = 0.5
+
+
+def moe() -> torch.nn.Module:
+    return tiny_model("qwen3_moe", num_hidden_layers=4, tie_word_embeddings=False)
+
+
 def _pipeline_step(fabric: Any, model: Any, optimizer: Any, batch: torch.Tensor) -> float:
     loss = fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item()
     optimizer.step()
@@ -137,6 +167,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
         **{name: _layout(rank, name) for name in LAYOUTS},
         "evaluation_between": _evaluation_between(rank),
         "tensor_parallel_stages": _tensor_parallel_stages(rank, folder),
+        "expert_parallel_stages": _expert_parallel_stages(rank),
     }
 
 
@@ -229,3 +260,25 @@ def test_a_checkpoint_moves_from_pp2_tp2_to_fsdp4_and_back_and_exports_one_folde
     stored = {n: t for path in sorted((folder / "export").glob("*.safetensors")) for n, t in load_file(path).items()}
     assert set(stored) == set(saved)
     assert all(torch.equal(stored[name], saved[name]) for name in saved)
+
+
+def test_moe_stages_with_their_experts_split_over_each_stages_ranks_train_as_one_process(results: list) -> None:
+    model = moe()
+    optimizer = torch.optim.SGD(model.parameters(), lr=MOE_LR)
+    losses = []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    for result in results:
+        assert result["expert_parallel_stages"]["losses"] == pytest.approx(losses, abs=1e-5)
+    stages = merged([results[0], results[2]], "expert_parallel_stages", "params")
+    assert set(stages) == {name for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(stages[name], param.detach(), atol=1e-5, rtol=0, msg=name)
+    experts = [n for n in results[0]["expert_parallel_stages"]["placements"] if ".mlp.experts." in n]
+    assert experts and all(
+        "expert_parallel" in results[0]["expert_parallel_stages"]["placements"][n][0] for n in experts
+    ), results[0]["expert_parallel_stages"]["placements"]

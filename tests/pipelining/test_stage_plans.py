@@ -46,10 +46,6 @@ OPTION_REFUSALS = {
         dict(pipeline_parallel_size=2, context_parallel_size=2),
         "pipeline_parallel_size=2 with context_parallel_size=2 is not supported yet",
     ),
-    "expert_parallel": (
-        dict(pipeline_parallel_size=2, expert_parallel_size=2),
-        "pipeline_parallel_size=2 with expert_parallel_size=2 is not supported yet",
-    ),
     "semi_sync": (
         dict(pipeline_parallel_size=2, data_parallel_replicate_size=2, replicate_sync="diloco"),
         "pipeline_parallel_size=2 with replicate_sync='diloco' is not supported yet",
@@ -69,7 +65,7 @@ def test_each_pipeline_option_refusal_names_the_fix(case: str) -> None:
 
 def test_every_pipeline_problem_is_reported_at_once() -> None:
     found = problems(
-        pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_stages_per_rank=2, expert_parallel_size=2
+        pipeline_parallel_size=2, pipeline_schedule="GPipe", pipeline_stages_per_rank=2, context_parallel_size=2
     )
     assert len([p for p in found if "pipeline" in p]) == 2, found
 
