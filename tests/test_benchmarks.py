@@ -383,3 +383,18 @@ def test_pipeline_benchmark_measures_each_schedule_and_counts_resharding(capsys)
     assert resharding[True]["all_gathers"] > resharding[False]["all_gathers"] > 0
     assert pipeline.simulated_bubble("GPipe", 4, 4, 1.0, 2.0) == pytest.approx(pipeline.formula("GPipe", 4, 4, 1))
     assert "FSDP alone on the same 2 ranks" in capsys.readouterr().out
+
+
+def test_layout_bytes_files_each_layouts_traffic_under_its_mesh_dims(capsys) -> None:
+    """Bytes, not time: FSDP over both nodes sends everything between them, HSDP its replicate all-reduce, a pipeline
+    only its stage boundary; TP's all-reduces stay inside a node; PP x CP is refused with its reason."""
+    from benchmarks import layout_bytes
+
+    table = layout_bytes.main(["--hidden", "32", "--layers", "2", "--batch", "4", "--seq", "16"])
+    fsdp, hsdp, pp, pp_tp = (table[name] for name in ("FSDP 4", "HSDP 2 x 2", "PP 2 x FSDP 2", "PP 2 x TP 2"))
+    assert set(fsdp["by_dim"]) == {"data_parallel"} and fsdp["between_nodes"] == fsdp["total"]
+    assert hsdp["by_dim"]["data_parallel_replicate"] <= hsdp["between_nodes"] < fsdp["between_nodes"]
+    assert pp["between_nodes"] == pp["by_dim"]["pipeline"] < hsdp["between_nodes"]
+    assert pp_tp["between_nodes"] == pp_tp["by_dim"]["pipeline"] and pp_tp["by_dim"]["tensor_parallel"] > 0
+    assert "context_parallel_size=2 is not supported yet" in table["PP 2 x CP 2"]["refused"]
+    assert "between nodes" in capsys.readouterr().out

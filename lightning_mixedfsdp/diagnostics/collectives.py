@@ -116,6 +116,49 @@ def checking_collective_backends(strict: bool = True) -> Iterator[List[Collectiv
         yield records
 
 
+@dataclass(frozen=True)
+class GroupTraffic:
+    """One collective or point-to-point op as one rank sees it: its process group, its op, and the bytes this rank
+    sends for it over a ring (all-gather and reduce-scatter ``(n - 1) / n`` of the whole buffer, all-reduce twice
+    that, all-to-all ``(n - 1) / n`` of its input, a send the tensor, a receive nothing: its sender counts it)."""
+
+    group: Any
+    op: str
+    sent_bytes: float
+
+
+@contextmanager
+def recording_group_traffic() -> Iterator[List[GroupTraffic]]:
+    """Record every c10d op issued inside (FSDP's, DTensor's, the pipeline runner's sends, the library's), with its
+    group and the bytes this rank sends for it (:class:`GroupTraffic`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    records: List[GroupTraffic] = []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            namespace = getattr(func, "namespace", "")
+            if namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "_wrap")):
+                group = collective_process_group(list(args) + list((kwargs or {}).values()))
+                if group is not None:
+                    largest = max((t.numel() * t.element_size() for t in _tensors(args)), default=0)
+                    records.append(GroupTraffic(group, func.__name__, _ring_share(func.__name__, largest, group)))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        yield records
+
+
+def _ring_share(op: str, largest: int, group: Any) -> float:
+    size = group.size()
+    if op.startswith("recv"):
+        return 0.0
+    if op.startswith("send") or op.startswith("broadcast"):
+        return float(largest)
+    share = (size - 1) / size * largest
+    return 2 * share if op.startswith("allreduce") or op.startswith("all_reduce") else share
+
+
 def _tensors(value: Any) -> List[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
