@@ -113,6 +113,27 @@ def describe_split(model: nn.Module, size: int) -> str:
     return f"tensor parallel {size} by the model's `base_model_tp_plan`: {split}; every other param whole on each"
 
 
+def keep_tensor_parallel_share(model: nn.Module, size: int) -> None:
+    """Shrink, in place, each Linear the model's plan splits to what one of ``size`` TP ranks holds (colwise: its
+    share of the output features, bias included; rowwise: of the input features, the bias whole), so a planner
+    counts one rank's bytes. For the dry run's meta-device models only: nothing is allocated."""
+    import torch
+
+    plan = hf_tensor_parallel_plan(model)
+    assert plan is not None  # refused before by tensor_parallel_problems
+    for _, style, module in _matching(model, plan):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_meta:
+                raise ValueError(f"keep_tensor_parallel_share: {name} is on {param.device}; pass a meta model.")
+            dim = 0 if style == "colwise" else 1 if name == "weight" else None
+            if dim is None:  # a rowwise layer's bias is added after the all-reduce, whole on each rank
+                continue
+            shape = list(param.shape)
+            shape[dim] //= size
+            share = torch.empty(shape, dtype=param.dtype, device="meta")
+            setattr(module, name, nn.Parameter(share, requires_grad=param.requires_grad))
+
+
 def apply_hf_tensor_parallel(model: nn.Module, mesh: "DeviceMesh") -> nn.Module:
     """Split ``model``'s planned Linear layers over ``mesh``'s tensor-parallel dim, in place; names stay."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -194,6 +194,12 @@ class ActivationShape:
             config.vocab_size,
         )
 
+    def tensor_parallel_share(self, size: int) -> "ActivationShape":
+        """What one of ``size`` tensor-parallel ranks holds: the key/value heads and the MLP's hidden units split,
+        the hidden-width activations whole on each (no sequence parallelism), the logits whole (the head stays
+        whole)."""
+        return replace(self, kv_hidden=self.kv_hidden // size, intermediate=self.intermediate // size)
+
 
 def activation_bytes(
     shape: ActivationShape, seq_len: int, batch: int, context_parallel: int = 1, checkpointing: bool = True

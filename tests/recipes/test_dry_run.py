@@ -210,7 +210,7 @@ def test_every_example_in_the_help_names_files_that_exist_from_the_project_root(
         _parse(["--help"])
     help_text = capsys.readouterr().out.replace("\\\n", " ")  # continued lines joined, as the shell does
     examples = [line.split() for line in help_text.splitlines() if "python -m lightning_mixedfsdp.plan --" in line]
-    assert len(examples) == 5
+    assert len(examples) == 6
     monkeypatch.chdir(ROOT)  # copied into a shell at the project's root
     for example in examples:
         args = _parse(shlex.split(" ".join(example))[3:])
@@ -230,3 +230,51 @@ def test_lora_rank_without_peft_is_one_line_with_the_install(monkeypatch: pytest
         "python -m lightning_mixedfsdp.plan: --lora-rank needs peft, which is not installed:"
         " pip install 'lightning-mixedfsdp[peft]'  (or: pip install peft)"
     )
+
+
+def test_llama_405b_at_fsdp8_tp8_pp8_plans_one_tp_ranks_share_of_each_stage(capsys: Any) -> None:
+    """torchtitan's 405B layout on 512 GPUs: each stage's params are one TP rank's share by the model's own plan (q,
+    k, v, o, gate, up, down split 8 ways, norms whole), sharded 8 ways; its activations split the key/value heads and
+    the MLP's units, the hidden width whole on each TP rank."""
+    from lightning_mixedfsdp.planning.memory import ActivationShape, stage_activation_bytes
+    from lightning_mixedfsdp.planning.report import format_bytes, format_count
+    from lightning_mixedfsdp.recipes.run.dry_run import main
+
+    config = ROOT / "benchmarks" / "configs" / "llama3_405b.json"
+    argv = ["--hf-config", str(config), "--world-size", "512", "--tensor-parallel", "8", "--pipeline", "8"]
+    out = main([*argv, "--seq-len", "8192", "--batch", "8"])
+    assert 405e9 < out["params"] < 406e9
+    hidden, kv, units = 16384, 8 * 128, 53248
+    layer = (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * units) // 8 + 2 * hidden
+    stages = out["activations"]
+    assert len(stages) == 9 and "each stage FSDP over 8 x TP 8 ranks" in stages[0]
+    middle = stages[2]  # stage 1: blocks 15-30
+    assert f"blocks 15-30, {format_count(16 * layer)} params" in middle
+    shape = ActivationShape(hidden, units // 8, 126, kv // 8, 128256)
+    assert f"x {format_bytes(stage_activation_bytes(shape, 16, False, 8192, 1))} =" in middle
+    printed = capsys.readouterr().out
+    assert "tensor parallel 8 by the model's `base_model_tp_plan`: 630 colwise" in printed
+    assert "planned over the 64 ranks of its TP position" in printed
+
+
+def test_a_tensor_parallel_size_the_ranks_cannot_take_is_refused_in_the_flags_names() -> None:
+    from lightning_mixedfsdp.recipes.run.dry_run import main
+
+    config = str(ROOT / "benchmarks" / "configs" / "llama3_8b.json")
+    with pytest.raises(SystemExit) as error:
+        main(["--hf-config", config, "--world-size", "12", "--tensor-parallel", "8"])
+    assert "`--tensor-parallel=8` multiplied should equal the world size (--world-size 12)" in str(error.value)
+
+
+def test_a_recipes_auto_tensor_parallel_size_asks_for_the_flag(tmp_path: Path) -> None:
+    from lightning_mixedfsdp.recipes.run.dry_run import main
+
+    recipe = (ROOT / "conf" / "hf_qwen3_next_tiny.yaml").read_text()
+    auto = recipe.replace(
+        "strategy:\n  name: mixed_fsdp2\n",
+        "strategy:\n  name: mixed_fsdp2\n  parallelism:\n    tensor_parallel_size: auto\n",
+    )
+    (tmp_path / "auto.yaml").write_text(auto)
+    with pytest.raises(SystemExit) as error:
+        main(["--recipe", str(tmp_path / "auto.yaml"), "--world-size", "8"])
+    assert "tensor_parallel_size='auto' needs the devices of a node; pass --tensor-parallel N" in str(error.value)

@@ -11,6 +11,8 @@ well under a second (0.12 s for Llama-3-70B; the command takes a few seconds mor
         --expert-parallel 8
     python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/llama3_70b.json --world-size 8 --gpu-memory 24 \
         --lora-rank 16 --quantize-base nf4 --offload cpu
+    python -m lightning_mixedfsdp.plan --hf-config benchmarks/configs/llama3_405b.json --world-size 512 \
+        --tensor-parallel 8 --pipeline 8 --seq-len 8192 --batch 8
 """
 
 import argparse
@@ -24,6 +26,11 @@ from torch import nn
 
 from lightning_mixedfsdp.apply.conditional import conditional_problems
 from lightning_mixedfsdp.apply.context_parallel import context_parallel_problems
+from lightning_mixedfsdp.apply.tensor_parallel import (
+    describe_split,
+    keep_tensor_parallel_share,
+    tensor_parallel_problems,
+)
 from lightning_mixedfsdp.compat.extras import MissingPackage
 from lightning_mixedfsdp.config import MixedFSDPConfig, Parallelism, precision_problem
 from lightning_mixedfsdp.mesh import ParallelDims
@@ -162,10 +169,12 @@ def activation_lines(
     batch: int,
     estimate: MemoryEstimate,
     gpu_memory_gb: Optional[float],
+    tensor_parallel: int = 1,
 ) -> List[str]:
     """The activation estimate per rank at ``seq_len`` with and without context parallelism, and with a GPU size the
-    longest sequence that fits beside the training state (``planning/memory.py``'s estimate, checkpointing on)."""
-    shape = ActivationShape.of_config(hf_config)
+    longest sequence that fits beside the training state (``planning/memory.py``'s estimate, checkpointing on; one
+    TP rank's share under tensor parallelism)."""
+    shape = ActivationShape.of_config(hf_config).tensor_parallel_share(tensor_parallel)
     lines = []
     if seq_len is not None:
         with_cp = activation_bytes(shape, seq_len, batch, context_parallel)
@@ -222,6 +231,12 @@ def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
         "--pipeline", type=int, default=None, help="pipeline_parallel_size (overrides the recipe's); default 1"
     )
     parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        help="tensor_parallel_size: the model split by its own HF plan (overrides the recipe's); default 1",
+    )
+    parser.add_argument(
         "--pipeline-schedule", choices=["1F1B", "GPipe", "Interleaved1F1B"], default=None, help="default 1F1B"
     )
     parser.add_argument("--microbatches", type=int, default=None, help="pipeline_microbatches; default pp x v")
@@ -258,13 +273,16 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
     if args.context_parallel is not None:
         config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
     pipeline = {
+        "tensor_parallel_size": args.tensor_parallel,
         "pipeline_parallel_size": args.pipeline,
         "pipeline_schedule": args.pipeline_schedule,
         "pipeline_microbatches": args.microbatches,
     }
     config.parallelism = replace(config.parallelism, **{k: v for k, v in pipeline.items() if v is not None})
     experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
+    tensor_parallel, stages = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     flags = {
+        "parallelism.tensor_parallel_size": f"--tensor-parallel {tensor_parallel}",
         "parallelism.expert_parallel_size": f"--expert-parallel {experts}",
         "parallelism.context_parallel_size": f"--context-parallel {context}",
         "parallelism.pipeline_": "--pipeline",
@@ -279,10 +297,12 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         problems.append(f"--{precision_problem(precision)}")
     elif config.bf16_updates_problem(precision) is not None:
         problems.append(f"--bf16-updates: {config.bf16_updates_problem(precision)}")
-    if args.world_size < 1 or replicate < 1 or args.world_size % replicate:
+    if tensor_parallel == "auto":  # Lightning's: the devices of a node, which a dry run does not know
+        problems.append("tensor_parallel_size='auto' needs the devices of a node; pass --tensor-parallel N")
+    elif args.world_size < 1 or replicate < 1 or args.world_size % replicate:
         problems.append(f"--world-size {args.world_size} must be a positive multiple of --replicate {replicate}")
-    elif min(experts, context) >= 1:
-        problems += mesh_problems(args.world_size, replicate, experts, context)
+    elif min(experts, context, tensor_parallel, stages) >= 1:
+        problems += mesh_problems(args.world_size, replicate, experts, context, tensor_parallel, stages)
     if problems:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + "; ".join(problems))
     return load_hf_config(hf_source), config, precision, replicate
@@ -290,20 +310,26 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
 
 FLAGS = {
     "data_parallel_replicate_size": "--replicate",
+    "tensor_parallel_size": "--tensor-parallel",
+    "pipeline_parallel_size": "--pipeline",
     "context_parallel_size": "--context-parallel",
     "expert_parallel_size": "--expert-parallel",
 }
 """The strategy's size names and the flags that set them here (``--context-parallel=3`` is a flag as written)."""
 
 
-def mesh_problems(world_size: int, replicate: int, experts: int, context: int) -> List[str]:
+def mesh_problems(
+    world_size: int, replicate: int, experts: int, context: int, tensor_parallel: int = 1, stages: int = 1
+) -> List[str]:
     """What the strategy would refuse of these sizes at launch (``ParallelDims``), in the flags' names."""
     problems = ParallelDims.resolve_problems(
         world_size=world_size,
         devices_per_node=world_size,
         replicate=replicate,
+        tensor_parallel_size=tensor_parallel,
         expert_parallel=experts,
         context_parallel=context,
+        pipeline=stages,
     )
     world = f"--world-size {world_size}"
     return [
@@ -318,27 +344,35 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = _parse(argv)
     hf_config, config, precision, replicate = _settings(args)
     start = time.perf_counter()
+    tensor_parallel = int(config.parallelism.tensor_parallel_size)  # "auto" refused by _settings
     try:
         model = build_on_meta(hf_config, args.freeze, args.lora_rank, args.lora_targets)
     except MissingPackage as missing:
         raise SystemExit(f"python -m lightning_mixedfsdp.plan: {missing}") from None
+    params = sum(p.numel() for p in model.parameters())
     context = config.parallelism.context_parallel_size
     refused = context_parallel_problems(model, context)  # what the model setup refuses at setup
+    refused += tensor_parallel_problems(model, tensor_parallel) if tensor_parallel > 1 else []
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
+    split = describe_split(model, tensor_parallel) if tensor_parallel > 1 else ""
+    model = _tensor_parallel_share(model, tensor_parallel)
+    world = args.world_size // tensor_parallel  # one TP rank's share is planned over the other dims' ranks
     stages = config.parallelism.pipeline_parallel_size
     if stages > 1:
         stage_plans = stage_lines(
-            lambda: build_on_meta(hf_config, args.freeze, args.lora_rank, args.lora_targets),
-            config, precision, args.world_size, replicate, hf_config, args.seq_len, args.batch,
+            lambda: _tensor_parallel_share(build_on_meta(hf_config, args.freeze, args.lora_rank, args.lora_targets),
+                                           tensor_parallel),
+            config, precision, world, replicate, hf_config, args.seq_len, args.batch, tensor_parallel,
         )  # fmt: skip
-    plan, estimate = dry_run(model, config, precision, args.world_size // stages, replicate)
+    plan, estimate = dry_run(model, config, precision, world // stages, replicate)
     refused = conditional_problems(plan, context, fault_tolerant=config.fault_tolerance is not None)
     if refused:
         raise SystemExit("python -m lightning_mixedfsdp.plan: " + " ".join(in_recipe_keys(p, FLAGS) for p in refused))
     seconds = time.perf_counter() - start
-    params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {format_count(params)} params, {precision}, planned in {seconds:.1f} s on meta")
+    if split:
+        print(f"{split}. Every figure below is one TP rank's share, planned over the {world} ranks of its TP position")
     if stages > 1:
         parallelism = config.parallelism
         planned, _ = plan_stages(model, stages * parallelism.stages_per_rank, parallelism.pipeline_split)
@@ -346,11 +380,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     else:
         print(format_plan(plan))
         print()
-        print(format_summary(plan, estimate, args.world_size, replicate, args.gpu_memory, config.parallelism))
-    lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory)
+        print(format_summary(plan, estimate, world, replicate, args.gpu_memory, config.parallelism))
+    lines = activation_lines(hf_config, context, args.seq_len, args.batch, estimate, args.gpu_memory, tensor_parallel)
     if stages > 1:
         lines = stage_plans
     if lines:
         print("\n".join(lines))
     sys.stdout.flush()
     return {"plan": plan, "estimate": estimate, "seconds": seconds, "params": params, "activations": lines}
+
+
+def _tensor_parallel_share(model: nn.Module, tensor_parallel: int) -> nn.Module:
+    """``model`` (on meta) as one of ``tensor_parallel`` TP ranks holds it (itself without TP)."""
+    if tensor_parallel > 1:
+        keep_tensor_parallel_share(model, tensor_parallel)
+    return model

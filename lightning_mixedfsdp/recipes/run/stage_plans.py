@@ -32,8 +32,10 @@ def stage_lines(
     hf_config: Any,
     seq_len: Optional[int],
     batch: int,
+    tensor_parallel: int = 1,
 ) -> List[str]:
-    """One line per stage (``build()`` makes a fresh model on meta, one per stage, since cutting is in place)."""
+    """One line per stage (``build()`` makes a fresh model on meta, one per stage, since cutting is in place; under
+    tensor parallelism one TP rank's share, and ``world_size`` the ranks of one TP position)."""
     parallelism = config.parallelism
     size, per_rank, micro = parallelism.pipeline_parallel_size, parallelism.stages_per_rank, parallelism.microbatches
     schedule, num_stages = parallelism.pipeline_schedule, size * per_rank
@@ -45,8 +47,9 @@ def stage_lines(
     stage_world = world_size // size
     shard = stage_world // replicate
     micro_batch = max(1, batch // micro)
-    shape = ActivationShape.of_config(hf_config) if hf_config is not None else None
+    shape = ActivationShape.of_config(hf_config).tensor_parallel_share(tensor_parallel) if hf_config else None
     layout_words = f"HSDP {replicate} x {shard}" if replicate > 1 else f"FSDP over {shard}"
+    layout_words += f" x TP {tensor_parallel}" if tensor_parallel > 1 else ""
     lines = [
         f"pipeline: {num_stages} stages on {size} ranks ({schedule}, {micro} micro-batches of {micro_batch}"
         f"{' x ' + str(seq_len) + ' tokens' if seq_len else ''}), each stage {layout_words} ranks"
