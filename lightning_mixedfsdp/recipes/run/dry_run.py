@@ -262,23 +262,21 @@ def _settings(args: argparse.Namespace) -> Tuple[Any, MixedFSDPConfig, str, int]
         config.dtypes = replace(config.dtypes, storage=recipe_storage(args.precision, recipe.strategy.dtypes.storage))
     precision = args.precision or precision
     replicate = args.replicate or replicate
-    if args.expert_parallel is not None:
-        config.parallelism = replace(config.parallelism, expert_parallel_size=args.expert_parallel)
     if args.quantize_base is not None:
         config.memory = replace(config.memory, quantize_base=args.quantize_base)
     if args.offload is not None:
         config.memory = replace(config.memory, offload=args.offload)
     if args.bf16_updates is not None:
         config.dtypes = replace(config.dtypes, bf16_updates=args.bf16_updates)
-    if args.context_parallel is not None:
-        config.parallelism = replace(config.parallelism, context_parallel_size=args.context_parallel)
-    pipeline = {
+    sizes = {
+        "expert_parallel_size": args.expert_parallel,
+        "context_parallel_size": args.context_parallel,
         "tensor_parallel_size": args.tensor_parallel,
         "pipeline_parallel_size": args.pipeline,
         "pipeline_schedule": args.pipeline_schedule,
         "pipeline_microbatches": args.microbatches,
     }
-    config.parallelism = replace(config.parallelism, **{k: v for k, v in pipeline.items() if v is not None})
+    config.parallelism = replace(config.parallelism, **{k: v for k, v in sizes.items() if v is not None})
     experts, context = config.parallelism.expert_parallel_size, config.parallelism.context_parallel_size
     tensor_parallel, stages = config.parallelism.tensor_parallel_size, config.parallelism.pipeline_parallel_size
     flags = {
