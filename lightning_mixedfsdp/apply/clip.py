@@ -6,7 +6,7 @@ one foreach multiply per bucket. torchtitan's clipping is shaped the same way.
 """
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -85,8 +85,11 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     nonfinite_check: NonfiniteCheck = "raise",
     across: Any = None,
+    counted_elsewhere: Sequence[Tensor] = (),
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for grads that mix Shard/Replicate placements, meshes and dtypes.
+    ``counted_elsewhere``: params clipped here whose grad another rank's norm holds (a tied copy on the last pipeline
+    stage), left out of this rank's part of the norm.
 
     ``error_if_nonfinite`` keeps torch's and Lightning's contract: a non-finite norm raises a ``RuntimeError`` here,
     before any grad is scaled, which the caller can catch and train on (skip the batch). On CUDA that check waits for
@@ -96,8 +99,14 @@ def clip_grad_norm_(
     assert triggered") at the next call that waits for the GPU, e.g. ``loss.item()`` or a checkpoint save; that
     process cannot use the GPU again, so restart from the last checkpoint. On other devices both raise here.
     """
+    parameters = list(parameters)
     groups, device = _grouped_grads(parameters)
-    total = _total_norm(groups, device, float(norm_type), across)
+    norm_groups = groups
+    if counted_elsewhere:
+        skipped = {id(param) for param in counted_elsewhere}
+        norm_groups, _ = _grouped_grads([p for p in parameters if id(p) not in skipped])
+        norm_groups = {key: norm_groups.get(key, {}) for key in groups}  # every group's collectives still issued
+    total = _total_norm(norm_groups, device, float(norm_type), across)
     if error_if_nonfinite:
         _check_finite(total, norm_type, on_device=nonfinite_check == "device_assert")
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -417,14 +417,15 @@ def _merged_regions(pending: PendingTensor, module: Any, adapter: str, region_by
 class PipelineStages:
     """How an export reaches across pipeline stages: ``group`` is this rank's pipeline group (the ranks of the other
     stages with its own data-parallel coordinates); ``sends`` whether this rank sends its stage's tensors to rank 0
-    (its stage's first data-parallel rank, in rank 0's pipeline group)."""
+    (its stage's first data-parallel rank, in rank 0's pipeline group); ``copies``: names of tied params whose
+    other stage exports them (the last stage's tied head)."""
 
     _END = -1
 
-    def __init__(self, group: Any, sends: bool) -> None:
+    def __init__(self, group: Any, sends: bool, copies: Sequence[str] = ()) -> None:
         import torch.distributed as dist
 
-        self.group, self.sends = group, sends
+        self.group, self.sends, self.copies = group, sends, frozenset(copies)
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.writer = dist.get_rank() == 0
 
@@ -439,6 +440,7 @@ class PipelineStages:
     def every_stages_tensors(self, tensors: List[PendingTensor]) -> List[PendingTensor]:
         """Every stage's tensors in stage order: this stage's walk their regions (collectives over its data-parallel
         ranks) and, on the sending rank, send them to rank 0; rank 0 receives the others'."""
+        tensors = [t for t in tensors if t.name not in self.copies]  # a tied copy: the first stage exports it
         described = self.every_stages([(t.name, tuple(t.shape), t.dtype) for t in tensors])
         every: List[PendingTensor] = []
         for stage, entries in enumerate(described):

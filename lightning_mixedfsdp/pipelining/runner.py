@@ -72,6 +72,10 @@ class _StageCall(nn.Module):
         return output
 
 
+def _nothing_more() -> None:
+    return None
+
+
 class PipelineRunner:
     """The schedule of one set-up model's stages on this rank, and its step and evaluation."""
 
@@ -95,6 +99,8 @@ class PipelineRunner:
         self.pipeline_size = dist.get_world_size(pipeline_group)
         self.pipeline_rank = dist.get_rank(pipeline_group)
         self.running = False
+        self.after_backward: Callable[[], None] = _nothing_more
+        """Run after each step's backward and reduction (the tied embeddings' grads summed across stages)."""
         self._schedules: Dict[Any, Tuple[Any, Dict[int, Boundary]]] = {}
         self._loss_fn: Optional[LossFn] = None
         self._loss_divisor = 1.0
@@ -124,6 +130,7 @@ class PipelineRunner:
                 )
                 finish_fsdp_backward(root)
                 self.applied.reducer.requires_gradient_sync = True
+            self.after_backward()
         finally:
             self.applied.reducer.requires_gradient_sync = True
             root.set_requires_gradient_sync(True)  # type: ignore[operator]

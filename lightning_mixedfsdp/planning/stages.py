@@ -118,28 +118,33 @@ def _sequence_layout(model: nn.Module, list_name: str) -> Optional[BlockLayout]:
     return BlockLayout(SEQUENCE, tuple(children[:at]), blocks, tuple(children[at + 1 :]), list_name)
 
 
-def tied_to_head(model: nn.Module, layout: BlockLayout) -> List[str]:
-    """Params shared between a module of the first part and one of the last (tied embeddings), by name."""
+def tied_to_head(model: nn.Module, layout: BlockLayout) -> List[Tuple[str, str]]:
+    """Params shared between a module of the last part and one of the first (tied embeddings): ``(name in the
+    last part, name in the first)`` pairs (``("lm_head.weight", "model.embed_tokens.weight")``)."""
     first = {id(p): name for m in layout.first for name, p in model.get_submodule(m).named_parameters(prefix=m)}
     tied = []
     for m in layout.last:
         for name, param in model.get_submodule(m).named_parameters(prefix=m, remove_duplicate=False):
             if id(param) in first:
-                tied.append(f"{name} is {first[id(param)]}")
+                tied.append((name, first[id(param)]))
     return tied
 
 
-def shared_across_stages(model: nn.Module, stages: Sequence[Stage]) -> List[str]:
+def shared_across_stages(model: nn.Module, stages: Sequence[Stage], tied: Sequence[str] = ()) -> List[str]:
     """Every Parameter (by identity, across the whole model) that more than one stage would hold, or that no stage
     holds (a param of a module outside the stages, which every rank would keep and none would train), each as the
-    places it is found."""
+    places it is found; ``tied``: names of params the first and the last stage share on purpose (kept equal by the
+    embedding group, ``pipelining/tied.py``)."""
     places: Dict[int, List[Tuple[int, str]]] = {}
     for stage in stages:
         for module in stage.modules:
             for name, param in model.get_submodule(module).named_parameters(prefix=module, remove_duplicate=False):
                 places.setdefault(id(param), []).append((stage.index, name))
     found = []
-    for stage_names in places.values():
+    exempt = {id(model.get_parameter(name)) for name in tied}
+    for key, stage_names in places.items():
+        if key in exempt:
+            continue
         by_stage: Dict[int, str] = {}
         for index, name in stage_names:
             by_stage.setdefault(index, name)
@@ -170,19 +175,13 @@ def plan_stages(
             " blocks, and the modules after, in order."
         ]
     problems = _router_loss_problems(model, name) if layout.family == HF_DECODER else []
-    tied = tied_to_head(model, layout)
-    if tied:
-        problems.append(
-            f"{name} ties its head to its embedding ({'; '.join(tied)}), and the first and the last pipeline stage"
-            " would each hold a copy that trains apart; untie them (HF: tie_word_embeddings=False before building"
-            " the model, then copy the embedding into lm_head) or set pipeline_parallel_size=1."
-        )
+    tied = [first for _, first in tied_to_head(model, layout)]
     if split:
         stages, split_problems = _stages_at(layout, num_stages, split)
     else:
         stages, split_problems = _balanced(layout, num_stages, name)
     problems += split_problems
-    shared = [] if tied or split_problems else shared_across_stages(model, stages)
+    shared = [] if split_problems else shared_across_stages(model, stages, tied)
     if shared:
         problems.append(
             f"{name} uses a Parameter on more than one pipeline stage ({'; '.join(shared[:4])}): each stage's rank"

@@ -50,7 +50,7 @@ class CheckpointingMixin:
     barrier: Callable[..., Any]
     plan_of: Callable[[nn.Module], ShardPlan]
     _same_params_group: Callable[[], Any]
-    _export_stages: Callable[[], Optional[PipelineStages]]
+    _export_stages: Callable[[nn.Module], Optional[PipelineStages]]
 
     def _save_checkpoint(
         self,
@@ -208,7 +208,7 @@ class CheckpointingMixin:
         at once (``also_write(folder)``: more files of yours in it, on rank 0, e.g. a tokenizer). Each rank holds at
         most about ``weights.export_chunk_bytes`` of a tensor at once."""
         chunk = self._config.weights.export_chunk_bytes
-        plan, stages = self.plan_of(module), self._export_stages()
+        plan, stages = self.plan_of(module), self._export_stages(module)
         return export_model(module, directory, dtype, plan, max_shard_bytes, chunk, also_write, stages)
 
     def export_adapter(self, module: nn.Module, directory: PathLike) -> Optional[List[Path]]:

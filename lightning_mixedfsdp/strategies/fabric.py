@@ -134,6 +134,7 @@ class MixedFSDP2Strategy(FabricCheckpointing):
             error_if_nonfinite and not failed,
             nonfinite_check=self._config.diagnostics.nonfinite_check,
             across=self._pipeline_group(),
+            counted_elsewhere=self._counted_elsewhere(),
         )
 
 

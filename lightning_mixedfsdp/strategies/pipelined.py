@@ -22,6 +22,7 @@ from lightning_mixedfsdp.pipelining.stage_forward import (
     cut_to_stages,
     output_wrapper,
 )
+from lightning_mixedfsdp.pipelining.tied import TiedAcrossStages
 from lightning_mixedfsdp.planning.stages import (
     CHECKED_DECODERS,
     HF_DECODER,
@@ -30,6 +31,7 @@ from lightning_mixedfsdp.planning.stages import (
     block_layout,
     plan_stages,
     stages_of_rank,
+    tied_to_head,
 )
 
 
@@ -45,6 +47,11 @@ class PipelineMixin:
 
     def _init_pipelines(self) -> None:
         self._pipelines: "WeakKeyDictionary[nn.Module, PipelineRunner]" = WeakKeyDictionary()
+        self._ties: "WeakKeyDictionary[nn.Module, TiedAcrossStages]" = WeakKeyDictionary()
+
+    def _counted_elsewhere(self) -> List[Tensor]:
+        """Params whose grad another rank's norm counts (the last stage's tied copies)."""
+        return [param for tie in self._ties.values() if tie.copies for param in tie.params]
 
     @property
     def pipelined(self) -> bool:
@@ -68,13 +75,15 @@ class PipelineMixin:
             raise ValueError(f"{owner}: " + " ".join(problems))
         layout = block_layout(module, split)
         assert layout is not None
-        block_outputs = self._check_composed_stages(module, layout, stages, owner)
+        block_outputs = _check_composed_stages(module, layout, stages, owner, self.root_device)
         mesh = self.meshes.pipeline
         assert mesh is not None
         mine = [stages[index] for index in stages_of_rank(mesh.get_local_rank(), size, per_rank)]
+        tied = tied_to_head(module, layout)
         cut_to_stages(module, layout, mine, block_outputs)
 
         def complete(sharded: ShardedModel) -> None:
+            import torch.distributed as dist
             from torch.distributed.fsdp import FSDPModule
 
             if sharded.applied is None or not isinstance(sharded.module, FSDPModule):
@@ -90,42 +99,19 @@ class PipelineMixin:
                 self.root_device,
                 output_wrapper(layout),
             )
+            holds = {stage.index for stage in mine}
+            tie = TiedAcrossStages.build(
+                sharded.module, tied, self.meshes.root.mesh, 0 in holds, num_stages - 1 in holds
+            )
+            tie.start_equal(first_rank=dist.get_global_rank(mesh.get_group(), 0))
+            runner.after_backward = tie.sum_grads
             self._pipelines[sharded.module] = runner
+            self._ties[sharded.module] = tie
             mark_pipeline_stage(sharded.module, self.meshes.data_parallel.get_group())
             guard = _direct_call_guard(runner, type(self).__name__, [stage.index for stage in mine], num_stages)
             sharded.applied.handles.append(sharded.module.register_forward_pre_hook(guard, prepend=True))
 
         return complete
-
-    def _check_composed_stages(
-        self, module: nn.Module, layout: BlockLayout, stages: List[Stage], owner: str
-    ) -> Mapping[int, int]:
-        """The stages run in order must compute what ``module``'s own forward computes, on a probe (the model still
-        whole on every rank): refused on every rank where they do not (the largest gap over the ranks decides).
-        Returns what each block of an HF decoder returns, as the probe saw."""
-        import torch.distributed as dist
-
-        probe = composed_stage_gap(module, layout, stages)
-        worst = torch.tensor(-1.0 if probe.gap is None else probe.gap, device=self.root_device)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # inf stays inf; every rank decides alike
-        name = user_class_name(module)
-        if float(worst) < 0:
-            checked = layout.family == HF_DECODER and getattr(module.config, "model_type", None) in CHECKED_DECODERS
-            if not checked:  # a checked decoder's stages equal its forward to the bit (the suite)
-                rank_zero_warn(
-                    f"{owner}: the pipeline stages of {name} were not checked against its forward ({probe.reason}):"
-                    " make sure its forward runs the modules before its block list, the blocks and the modules"
-                    " after, in order, and nothing else."
-                )
-        elif float(worst) > PROBE_TOLERANCE:
-            raised = f" ({probe.reason})" if probe.reason else ""
-            raise ValueError(
-                f"{owner}: {name}'s pipeline stages, run in order, do not compute what {name}.forward computes (on a"
-                f" probe their output is {float(worst):.3g} of its largest magnitude away from the forward's{raised}):"
-                f" {_what_a_stage_runs(layout)} Make the forward only call the modules before the block list, the"
-                " blocks and the modules after, moving the rest into those modules, or set pipeline_parallel_size=1."
-            )
-        return probe.block_outputs
 
     def pipeline_step(
         self,
@@ -192,14 +178,15 @@ class PipelineMixin:
         (every rank) without."""
         return self.meshes.replicas.get_group() if self.pipelined else None
 
-    def _export_stages(self) -> Optional[PipelineStages]:
+    def _export_stages(self, module: nn.Module) -> Optional[PipelineStages]:
         """How an export reaches across the stages (each stage's first data-parallel and tensor-parallel rank, in
         rank 0's pipeline group, sends to rank 0), or None without pipeline parallelism."""
         group = self._pipeline_group()
         if group is None:
             return None
         first_of_stage = self.meshes.data_parallel.get_local_rank() == 0 and self._tensor_parallel_rank() == 0
-        return PipelineStages(group, sends=first_of_stage)
+        tie = self._ties.get(unwrap_model(module))
+        return PipelineStages(group, sends=first_of_stage, copies=tie.copies if tie is not None else ())
 
     def _tensor_parallel_rank(self) -> int:
         """This rank's place among its tensor-parallel ranks (0 without tensor parallelism)."""
@@ -209,6 +196,37 @@ class PipelineMixin:
     def _pipeline_group(self) -> Optional[Any]:
         """The pipeline ranks' group (gradient norms add up over it), or None."""
         return self.meshes.pipeline.get_group() if self.pipelined and self.meshes.pipeline is not None else None
+
+
+def _check_composed_stages(
+    module: nn.Module, layout: BlockLayout, stages: List[Stage], owner: str, device: torch.device
+) -> Mapping[int, int]:
+    """The stages run in order must compute what ``module``'s own forward computes, on a probe (the model still
+    whole on every rank): refused on every rank where they do not (the largest gap over the ranks decides).
+    Returns what each block of an HF decoder returns, as the probe saw."""
+    import torch.distributed as dist
+
+    probe = composed_stage_gap(module, layout, stages)
+    worst = torch.tensor(-1.0 if probe.gap is None else probe.gap, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # inf stays inf; every rank decides alike
+    name = user_class_name(module)
+    if float(worst) < 0:
+        checked = layout.family == HF_DECODER and getattr(module.config, "model_type", None) in CHECKED_DECODERS
+        if not checked:  # a checked decoder's stages equal its forward to the bit (the suite)
+            rank_zero_warn(
+                f"{owner}: the pipeline stages of {name} were not checked against its forward ({probe.reason}):"
+                " make sure its forward runs the modules before its block list, the blocks and the modules"
+                " after, in order, and nothing else."
+            )
+    elif float(worst) > PROBE_TOLERANCE:
+        raised = f" ({probe.reason})" if probe.reason else ""
+        raise ValueError(
+            f"{owner}: {name}'s pipeline stages, run in order, do not compute what {name}.forward computes (on a"
+            f" probe their output is {float(worst):.3g} of its largest magnitude away from the forward's{raised}):"
+            f" {_what_a_stage_runs(layout)} Make the forward only call the modules before the block list, the"
+            " blocks and the modules after, moving the rest into those modules, or set pipeline_parallel_size=1."
+        )
+    return probe.block_outputs
 
 
 def _what_a_stage_runs(layout: BlockLayout) -> str:

@@ -34,12 +34,16 @@ class MixedFSDPTrainerPrecision(MixedFSDPPrecision, Precision):
     stages: ``norm_across``, set by the strategy)."""
 
     norm_across: Any = None
+    counted_elsewhere: Callable[[], Sequence[torch.Tensor]] = tuple
+    """The strategy's tied copies whose grad another pipeline rank's norm holds."""
     last_norm: Optional[torch.Tensor] = None
     """The total gradient norm the last clip by norm found (before clipping), for logging."""
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self.last_norm = clip_grad_norm_(self.main_params(optimizer), clip_val, across=self.norm_across)
+        self.last_norm = clip_grad_norm_(
+            self.main_params(optimizer), clip_val, across=self.norm_across, counted_elsewhere=self.counted_elsewhere()
+        )
 
 
 class MixedFSDP2Strategy(TrainerCheckpointing):
@@ -120,6 +124,7 @@ class MixedFSDP2Strategy(TrainerCheckpointing):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.precision_plugin.norm_across = self._pipeline_group()
+        self.precision_plugin.counted_elsewhere = self._counted_elsewhere
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
 

@@ -152,6 +152,44 @@ def _decoders(rank: int) -> Dict[str, Any]:
     return out
 
 
+def tied() -> nn.Module:
+    return tiny_model("llama", num_hidden_layers=LAYERS, tie_word_embeddings=True)
+
+
+def _tied_stages(rank: int, folder: str) -> Dict[str, Any]:
+    """A Llama whose head is its embedding, in two stages (the embedding on rank 0, the head on rank 1): SGD at
+    lr 0.5 with clipping, a save, a resume that repeats the next step, and an export."""
+    out: Dict[str, Any] = {}
+
+    def run(seed: int, offset: float = 0.0) -> Any:
+        fabric = make_fabric(WORLD, "32-true", pipelined())
+        model = tiny_model("llama", seed=seed, num_hidden_layers=LAYERS, tie_word_embeddings=True)
+        with torch.no_grad():
+            model.lm_head.weight.add_(offset)  # rank 1 keeps the head: it must start as rank 0's embedding
+        model = fabric.setup(model)
+        return fabric, model, fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9))
+
+    fabric, model, optimizer = run(seed=0, offset=float(rank))
+    out["initial"] = full_params(model)
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        losses.append(fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item())
+        norms.append(fabric.clip_gradients(model, optimizer, max_norm=1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    out.update(losses=losses, norms=norms, params=full_params(model))
+    fabric.save(Path(folder) / "tied.ckpt", {"model": model, "optimizer": optimizer})
+    fabric.strategy.export_safetensors(model, Path(folder) / "tied_export", dtype=torch.float32)
+    nxt = batches()[STEPS]
+    out["continued_loss"] = _step(fabric, model, optimizer, nxt)
+    out["continued"] = full_params(model)
+    fabric, model, optimizer = run(seed=9)
+    fabric.load(Path(folder) / "tied.ckpt", {"model": model, "optimizer": optimizer})
+    out["resumed_loss"] = _step(fabric, model, optimizer, nxt)
+    out["resumed"] = full_params(model)
+    return out
+
+
 def _checkpoints(rank: int, folder: str) -> Dict[str, Any]:
     """Save at PP 2, resume at PP 2 (bitwise, and the next step equal) and load at PP 1 x FSDP 2; save at PP 1 x
     FSDP 2 and load at PP 2."""
@@ -208,8 +246,6 @@ def _refusals(rank: int) -> Dict[str, str]:
     odd = torch.randint(0, 64, (6, SEQUENCE))
     refused("batch", lambda: fabric.strategy.pipeline_step(model, odd, target=odd, loss_fn=lm_loss))
     refused("direct_call", lambda: model(odd))
-    tied = tiny_model("llama", tie_word_embeddings=True)
-    refused("tied", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(tied))
     split = pipelined(pipeline_split=["model.layers.0"])
     refused("empty_split", lambda: make_fabric(WORLD, "32-true", split).setup(llama()))
     own = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 64))
@@ -277,6 +313,7 @@ def _scenarios(rank: int, world_size: int, folder: str) -> Dict[str, Any]:
     return {
         "schedules": _schedules(rank),
         "decoders": _decoders(rank),
+        "tied": _tied_stages(rank, folder),
         "bf16": _bf16_stages(rank, folder),
         "checkpoints": _checkpoints(rank, folder),
         "refusals": _refusals(rank),
@@ -372,6 +409,46 @@ def test_a_decoder_unlike_llama_trains_in_two_stages_as_one_process(results: lis
         torch.testing.assert_close(params[name], param.detach(), atol=max(1e-2 * movement, 1e-6), rtol=0, msg=name)
 
 
+def test_tied_embeddings_train_in_two_stages_as_one_process_resume_and_export_one_tensor(
+    results: list, folder: Path
+) -> None:
+    """The first stage's embedding and the last stage's head start equal (rank 1 built its head off by 1), their grads
+    are summed over the two ranks before each step and the norm counts the weight once, so SGD with momentum and
+    clipping moves both as one process moves the one tied weight; a resume repeats the next step; the export holds
+    the weight once and `from_pretrained` ties it again."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR, momentum=0.9)
+    losses, norms = [], []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    embedding = model.model.embed_tokens.weight.detach()
+    first, last = results[0]["tied"], results[1]["tied"]
+    assert torch.equal(last["initial"]["lm_head.weight"], first["initial"]["model.embed_tokens.weight"])
+    for result in (first, last):
+        assert result["losses"] == pytest.approx(losses, abs=1e-5)
+        assert result["norms"] == pytest.approx(norms, rel=1e-5)
+    for trained in (first["params"]["model.embed_tokens.weight"], last["params"]["lm_head.weight"]):
+        torch.testing.assert_close(trained, embedding, atol=1e-5, rtol=0)
+    for result in (first, last):
+        assert result["resumed_loss"] == result["continued_loss"]
+        assert all(torch.equal(result["resumed"][n], result["continued"][n]) for n in result["continued"])
+    stored = {n: t for p in sorted((folder / "tied_export").glob("*.safetensors")) for n, t in load_file(p).items()}
+    assert "lm_head.weight" not in stored and torch.equal(
+        stored["model.embed_tokens.weight"], first["params"]["model.embed_tokens.weight"]
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(folder / "tied_export", dtype=torch.float32)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight.detach(), first["params"]["model.embed_tokens.weight"])
+
+
 def test_each_rank_holds_its_stages_under_their_original_names(results: list) -> None:
     ranks = [set(result["schedules"]["1F1B"]["params"]) for result in results]
     assert "model.embed_tokens.weight" in ranks[0] and "model.layers.1.mlp.up_proj.weight" in ranks[0]
@@ -445,7 +522,6 @@ def test_a_checkpoint_moves_between_pipeline_sizes(results: list) -> None:
 REFUSALS = {
     "batch": "ValueError: mixed_fsdp2: a batch of 6 does not split into pipeline_microbatches=4",
     "direct_call": "RuntimeError: MixedFSDP2Strategy: under pipeline parallelism this model holds stages [",
-    "tied": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): LlamaForCausalLM ties its head to its embedding",
     "empty_split": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): pipeline_split=['model.layers.0'] leaves",
     "unsplittable": "ValueError: MixedFSDP2Strategy (Sequential): Sequential cannot be split into pipeline stages",
     "unpipelined": "RuntimeError: MixedFSDP2Strategy.pipeline_step: pipeline_parallel_size is 1",

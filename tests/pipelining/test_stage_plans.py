@@ -147,10 +147,17 @@ def test_each_split_refusal_names_the_fix(case: str) -> None:
     assert stages is None and any(message in p for p in found), found
 
 
-def test_tied_embeddings_are_refused_by_name() -> None:
-    stages, found = plan_stages(tiny_model("llama", tie_word_embeddings=True), 2)
-    assert stages is None
-    assert "ties its head to its embedding (lm_head.weight is model.embed_tokens.weight)" in found[0]
+def test_tied_embeddings_are_planned_with_the_tie_named_and_other_sharing_still_refused() -> None:
+    from lightning_mixedfsdp.planning.stages import block_layout, tied_to_head
+
+    model = tiny_model("llama", tie_word_embeddings=True)
+    stages, found = plan_stages(model, 2)
+    assert stages is not None and found == []
+    layout = block_layout(model)
+    assert layout is not None and tied_to_head(model, layout) == [("lm_head.weight", "model.embed_tokens.weight")]
+    model.model.layers[1].mlp.up_proj.weight = model.model.layers[0].mlp.up_proj.weight
+    stages, found = plan_stages(model, 2)
+    assert stages is None and "uses a Parameter on more than one pipeline stage" in found[0]
 
 
 def test_the_pipeline_size_must_divide_the_world() -> None:

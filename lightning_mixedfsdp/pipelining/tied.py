@@ -1,0 +1,80 @@
+"""Tied embeddings across pipeline stages (Megatron-LM's embedding group): the first stage holds the embedding, the
+last stage the head, one Parameter in the uncut model and a copy on each of the two ranks once cut. The copies start
+equal (the first stage's sent to the last) and stay equal: after each step's backward their grads are summed over
+the two ranks (what one process accumulates into the one Parameter), so both ranks take the same optimizer step.
+The last stage's copy is counted once in the gradient norm (not at all on its rank) and not exported."""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mixedfsdp.model.tensors import local_tensor
+
+
+class TiedAcrossStages:
+    """This rank's side of each tie: the copies it holds and the group it shares them over (None on a rank holding
+    neither the first nor the last stage)."""
+
+    def __init__(self, params: List[Tensor], group: Optional[Any], copies: List[str]) -> None:
+        self.params, self.group = params, group
+        self.copies = copies
+        """Names of the last stage's copies on this rank (counted on the first stage's rank, exported from it)."""
+
+    @classmethod
+    def build(
+        cls, module: nn.Module, pairs: Sequence[Tuple[str, str]], ranks: Tensor, first: bool, last: bool
+    ) -> "TiedAcrossStages":
+        """``pairs``: ``(name in the last stage, name in the first)``; ``ranks``: the global ranks of the mesh,
+        pipeline dim first. Every rank calls it (the groups are made by all), before any step."""
+        import torch.distributed as dist
+
+        if not pairs or (first and last):  # no tie, or one rank holds both stages: the one Parameter still
+            return cls([], None, [])
+        group = None
+        me = dist.get_rank()
+        flat = ranks.reshape(ranks.shape[0], -1)
+        for first_rank, last_rank in zip(flat[0].tolist(), flat[-1].tolist(), strict=True):
+            made = dist.new_group([first_rank, last_rank])
+            if me in (first_rank, last_rank):
+                group = made
+        named: Dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        names = [first_name if first else last_name for last_name, first_name in pairs] if first or last else []
+        copies = [last_name for last_name, _ in pairs] if last else []
+        return cls([named[name] for name in names], group if first or last else None, copies)
+
+    @torch.no_grad()
+    def start_equal(self, first_rank: int) -> None:
+        """The last stage's copies take the first stage's values (a model built with another seed per rank, or
+        initialised on the meta device, would otherwise start apart); shapes and dtypes must agree."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        for param in self.params:
+            local = local_tensor(param)
+            description = torch.tensor([local.numel(), _DTYPES.index(local.dtype)], device=local.device)
+            both = [torch.empty_like(description) for _ in range(2)]
+            dist.all_gather(both, description, group=self.group)  # both ranks compare, both raise alike
+            if not torch.equal(both[0], both[1]):
+                raise RuntimeError(
+                    "mixed_fsdp2: a tied embedding's two copies differ in size or dtype between the first and the"
+                    f" last pipeline stage ({both[0].tolist()} against {both[1].tolist()}: elements, dtype index);"
+                    " give the head and the embedding the same dtype rules, or untie them."
+                )
+            dist.broadcast(local, src=first_rank, group=self.group)
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Each copy's grad summed with the other stage's (after the step's reduction within each stage)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            return
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(local_tensor(param.grad), group=self.group)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.uint8)
