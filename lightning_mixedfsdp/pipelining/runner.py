@@ -99,6 +99,8 @@ class PipelineRunner:
         self.pipeline_size = dist.get_world_size(pipeline_group)
         self.pipeline_rank = dist.get_rank(pipeline_group)
         self.running = False
+        self.before_backward: Callable[[], None] = _nothing_more
+        """Run before each step's backward (the tied embeddings' grads held)."""
         self.after_backward: Callable[[], None] = _nothing_more
         """Run after each step's backward and reduction (the tied embeddings' grads summed across stages)."""
         self._schedules: Dict[Any, Tuple[Any, Dict[int, Boundary]]] = {}
@@ -119,6 +121,7 @@ class PipelineRunner:
         root.set_reshard_after_backward(False)  # type: ignore[operator]
         self.applied.reducer.requires_gradient_sync = False
         losses: List[Tensor] = []
+        self.before_backward()
         try:
             with self._running(), self.applied.tracker.as_one_backward():
                 schedule.step(

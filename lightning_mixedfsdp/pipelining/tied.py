@@ -18,6 +18,7 @@ class TiedAcrossStages:
 
     def __init__(self, params: List[Tensor], group: Optional[Any], copies: List[str]) -> None:
         self.params, self.group = params, group
+        self._held: List[Optional[Tensor]] = [None] * len(params)
         self.copies = copies
         """Names of the last stage's copies on this rank (counted on the first stage's rank, exported from it)."""
 
@@ -65,16 +66,29 @@ class TiedAcrossStages:
             dist.broadcast(local, src=first_rank, group=self.group)
 
     @torch.no_grad()
+    def hold_grads(self) -> None:
+        """Before a step's backward: the grads the copies hold already (steps accumulating before one optimizer
+        step), which the other stage has counted in them at the last sum."""
+        self._held = [None if p.grad is None else local_tensor(p.grad).clone() for p in self.params]
+
+    @torch.no_grad()
     def sum_grads(self) -> None:
-        """Each copy's grad summed with the other stage's (after the step's reduction within each stage)."""
+        """What each copy's grad gained in this step's backward summed with what the other stage's gained (after the
+        step's reduction within each stage)."""
         import torch.distributed as dist
 
         if self.group is None:
             return
-        for param in self.params:
+        for param, before in zip(self.params, self._held, strict=True):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(local_tensor(param.grad), group=self.group)
+            grad = local_tensor(param.grad)
+            if before is not None:
+                grad.sub_(before)
+            dist.all_reduce(grad, group=self.group)
+            if before is not None:
+                grad.add_(before)
+        self._held = [None] * len(self.params)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.uint8)

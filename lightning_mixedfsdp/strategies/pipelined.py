@@ -104,7 +104,7 @@ class PipelineMixin:
                 sharded.module, tied, self.meshes.root.mesh, 0 in holds, num_stages - 1 in holds
             )
             tie.start_equal(first_rank=dist.get_global_rank(mesh.get_group(), 0))
-            runner.after_backward = tie.sum_grads
+            runner.before_backward, runner.after_backward = tie.hold_grads, tie.sum_grads
             self._pipelines[sharded.module] = runner
             self._ties[sharded.module] = tie
             mark_pipeline_stage(sharded.module, self.meshes.data_parallel.get_group())
