@@ -3,7 +3,7 @@ its own part of a safetensors checkpoint (a torch file: rank 0 reads and streams
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from lightning_mixedfsdp.config import BulkDtypes, MixedFSDPConfig
 from lightning_mixedfsdp.distributed.agreement import on_rank_zero
 from lightning_mixedfsdp.materialize.stream import produce_each, stream_into, tensor_targets
 from lightning_mixedfsdp.model.names import canonical_name, is_peft_model, peft_base_name, unwrap_model, user_class
-from lightning_mixedfsdp.model.pipeline_stages import pipeline_stage_group
+from lightning_mixedfsdp.model.pipeline_stages import pipeline_stage_group, tied_copies
 from lightning_mixedfsdp.model.quantized import fill_nf4, quantize_part, quantize_rows
 from lightning_mixedfsdp.model.tensors import local_tensor
 from lightning_mixedfsdp.planning.memory import STAGING_BYTES
@@ -149,7 +149,7 @@ def load_full_weights(
         """Rank 0: the checkpoint's names, shapes and dtypes against the model's; model name -> checkpoint key."""
         reader = CheckpointReader(path)
         readers.append(reader)
-        sources, problems = _match(reader, {key: key for key in reader.keys()})
+        sources, problems = _match(reader, _with_tied_copies(model, reader.keys()))
         rename = checkpoint_key_renames(user_class(base), base.config) if problems and base is not None else None
         if rename is not None:  # a legacy layout, renamed as from_pretrained renames it
             sources, problems = _match(reader, {key: rename(key) for key in reader.keys()})
@@ -168,6 +168,16 @@ def load_full_weights(
     if readers:
         produce = produce_each(chunks, lambda chunk: _LazyChunk(readers[0], present, chunk))
     stream_into(model, chunks, produce)
+
+
+def _with_tied_copies(model: nn.Module, keys: Iterable[str]) -> Dict[str, str]:
+    """Checkpoint key -> model name: each key its own name, and a tied weight the checkpoint stores once (under the
+    first stage's name) loaded into the last stage's copy on a rank that holds the copy alone."""
+    renamed = {key: key for key in keys}
+    for copy, first in tied_copies(model).items():
+        if copy not in renamed and first in renamed:
+            renamed[first] = copy
+    return renamed
 
 
 def _stage_group(model: nn.Module, path: PathLike, read: ReadMode) -> Optional[Any]:

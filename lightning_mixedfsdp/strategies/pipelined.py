@@ -13,7 +13,7 @@ from lightning_mixedfsdp.checkpoint.export import PipelineStages
 from lightning_mixedfsdp.config import MixedFSDPConfig
 from lightning_mixedfsdp.mesh import TENSOR_PARALLEL, ParallelMeshes
 from lightning_mixedfsdp.model.names import unwrap_model, user_class_name
-from lightning_mixedfsdp.model.pipeline_stages import mark_pipeline_stage
+from lightning_mixedfsdp.model.pipeline_stages import mark_pipeline_stage, mark_tied_copies
 from lightning_mixedfsdp.model_setup import ShardedModel
 from lightning_mixedfsdp.pipelining.runner import LOSS_REDUCTIONS, LossFn, LossReduction, PipelineRunner
 from lightning_mixedfsdp.pipelining.stage_forward import (
@@ -107,6 +107,7 @@ class PipelineMixin:
             runner.before_backward, runner.after_backward = tie.hold_grads, tie.sum_grads
             self._pipelines[sharded.module] = runner
             self._ties[sharded.module] = tie
+            mark_tied_copies(sharded.module, {last: first for last, first in tied if last in tie.copies})
             mark_pipeline_stage(sharded.module, self.meshes.data_parallel.get_group())
             guard = _direct_call_guard(runner, type(self).__name__, [stage.index for stage in mine], num_stages)
             sharded.applied.handles.append(sharded.module.register_forward_pre_hook(guard, prepend=True))

@@ -187,6 +187,9 @@ def _tied_stages(rank: int, folder: str) -> Dict[str, Any]:
     fabric.load(Path(folder) / "tied.ckpt", {"model": model, "optimizer": optimizer})
     out["resumed_loss"] = _step(fabric, model, optimizer, nxt)
     out["resumed"] = full_params(model)
+    fabric, model, optimizer = run(seed=5)
+    load_full_weights(model, Path(folder) / "tied_export")  # the weight stored once, loaded into both copies
+    out["loaded"] = full_params(model)
     fabric, model, optimizer = run(seed=0)
     for batch in batches()[:STEPS]:  # two steps' grads accumulated into one optimizer step
         fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss)
@@ -420,7 +423,7 @@ def test_tied_embeddings_train_in_two_stages_as_one_process_resume_and_export_on
     """The first stage's embedding and the last stage's head start equal (rank 1 built its head off by 1), their grads
     are summed over the two ranks before each step and the norm counts the weight once, so SGD with momentum and
     clipping moves both as one process moves the one tied weight; a resume repeats the next step; the export holds
-    the weight once and `from_pretrained` ties it again; two steps accumulated before one optimizer step count each
+    the weight once, `from_pretrained` ties it again and `load_full_weights` loads it into both copies; two steps accumulated before one optimizer step count each
     step's grads once."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -456,6 +459,9 @@ def test_tied_embeddings_train_in_two_stages_as_one_process_resume_and_export_on
     torch.optim.SGD(accumulated.parameters(), lr=SGD_LR, momentum=0.9).step()
     for trained in (first["accumulated"]["model.embed_tokens.weight"], last["accumulated"]["lm_head.weight"]):
         torch.testing.assert_close(trained, accumulated.model.embed_tokens.weight.detach(), atol=1e-5, rtol=0)
+    exported = first["params"]["model.embed_tokens.weight"]
+    assert torch.equal(first["loaded"]["model.embed_tokens.weight"], exported)
+    assert torch.equal(last["loaded"]["lm_head.weight"], exported)
     loaded = AutoModelForCausalLM.from_pretrained(folder / "tied_export", dtype=torch.float32)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight.detach(), first["params"]["model.embed_tokens.weight"])
