@@ -99,10 +99,9 @@ class PipelineRunner:
         self.pipeline_size = dist.get_world_size(pipeline_group)
         self.pipeline_rank = dist.get_rank(pipeline_group)
         self.running = False
+        # around each step's backward and reduction: the tied embeddings' grads held, then summed across stages
         self.before_backward: Callable[[], None] = _nothing_more
-        """Run before each step's backward (the tied embeddings' grads held)."""
         self.after_backward: Callable[[], None] = _nothing_more
-        """Run after each step's backward and reduction (the tied embeddings' grads summed across stages)."""
         self._schedules: Dict[Any, Tuple[Any, Dict[int, Boundary]]] = {}
         self._loss_fn: Optional[LossFn] = None
         self._loss_divisor = 1.0
