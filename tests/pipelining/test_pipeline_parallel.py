@@ -423,8 +423,8 @@ def test_tied_embeddings_train_in_two_stages_as_one_process_resume_and_export_on
     """The first stage's embedding and the last stage's head start equal (rank 1 built its head off by 1), their grads
     are summed over the two ranks before each step and the norm counts the weight once, so SGD with momentum and
     clipping moves both as one process moves the one tied weight; a resume repeats the next step; the export holds
-    the weight once, `from_pretrained` ties it again and `load_full_weights` loads it into both copies; two steps accumulated before one optimizer step count each
-    step's grads once."""
+    the weight once, `from_pretrained` ties it again and `load_full_weights` loads it into both copies; two steps
+    accumulated before one optimizer step count each step's grads once."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
