@@ -4,14 +4,24 @@ each data-parallel replica trains on its part of the global batch, and the resul
 batch (32-true: losses, the clip norm, every param by name)."""
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
 from tests.conftest import Launch
 from tests.hf_models import tiny_model
-from tests.pipelining.test_pipeline_parallel import LR, STEPS, batches, llama, lm_loss, merged, one_process
+from tests.pipelining.test_pipeline_parallel import (
+    LR,
+    STEPS,
+    _step,
+    batches,
+    llama,
+    lm_loss,
+    merged,
+    one_process,
+    sgd_in_one_process,
+)
 from tests.scenarios import full_params, make_fabric, unwrap
 
 pytestmark = pytest.mark.compat  # a private torch or transformers API: .ci/compat runs it on both ends
@@ -36,10 +46,8 @@ def _layout(rank: int, name: str) -> Dict[str, Any]:
     sampler = fabric.strategy.distributed_sampler_kwargs
     losses, norms = [], []
     for batch in batches()[:STEPS]:
-        part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
-        loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
-        torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
-        losses.append(loss.item() / sampler["num_replicas"])
+        part, loss = _replica_step(fabric, model, batch)
+        losses.append(loss)
         norms.append(fabric.clip_gradients(model, optimizer, max_norm=1e9).item())
         optimizer.step()
         optimizer.zero_grad()
@@ -52,6 +60,16 @@ def _layout(rank: int, name: str) -> Dict[str, Any]:
         "placements": placements,
         "pipeline_rank": fabric.strategy.meshes.pipeline.get_local_rank(),
     }
+
+
+def _replica_step(fabric: Any, model: Any, batch: torch.Tensor) -> Tuple[torch.Tensor, float]:
+    """This data-parallel replica's part of the global ``batch`` through one pipeline step; the part, and the loss
+    averaged over the replicas (what one process computes on the whole batch)."""
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
+    loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
+    torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
+    return part, loss.item() / sampler["num_replicas"]
 
 
 def describe_placements(param: Any) -> Any:
@@ -68,13 +86,10 @@ def _evaluation_between(rank: int) -> Dict[str, Any]:
     fabric = make_fabric(WORLD, "32-true", strategy)
     model = llama()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
-    sampler = fabric.strategy.distributed_sampler_kwargs
     losses = []
     for batch in batches()[:STEPS]:
-        part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
-        loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
-        torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
-        losses.append(loss.item() / sampler["num_replicas"])
+        part, loss = _replica_step(fabric, model, batch)
+        losses.append(loss)
         fabric.strategy.pipeline_eval(model, part, target=part, loss_fn=lm_loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -96,14 +111,14 @@ def _tensor_parallel_stages(rank: int, folder: str) -> Dict[str, Any]:
     fabric = pp_tp("bf16-true")
     model = fabric.setup(llama())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    out["bf16_losses"] = [_pipeline_step(fabric, model, optimizer, batch) for batch in batches()[:STEPS]]
+    out["bf16_losses"] = [_step(fabric, model, optimizer, batch) for batch in batches()[:STEPS]]
     out["bf16_dtypes"] = {n: p.dtype for n, p in unwrap(model).named_parameters()}
 
     fabric = pp_tp()
     model = fabric.setup(llama())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
     for batch in batches()[:STEPS]:
-        _pipeline_step(fabric, model, optimizer, batch)
+        _step(fabric, model, optimizer, batch)
     path = Path(folder) / "pp2_tp2.ckpt"
     fabric.save(path, {"model": model, "optimizer": optimizer})
     fabric.strategy.export_safetensors(model, Path(folder) / "export", dtype=torch.float32)
@@ -131,13 +146,10 @@ def _expert_parallel_stages(rank: int) -> Dict[str, Any]:
     fabric = make_fabric(WORLD, "32-true", MixedFSDP2Strategy(**options))
     model = fabric.setup(moe())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=MOE_LR))
-    sampler = fabric.strategy.distributed_sampler_kwargs
     losses = []
     for batch in batches()[:STEPS]:
-        part = batch.chunk(sampler["num_replicas"])[sampler["rank"]]
-        loss = fabric.strategy.pipeline_step(model, part, target=part, loss_fn=lm_loss)
-        torch.distributed.all_reduce(loss, group=fabric.strategy.meshes.data_parallel.get_group())
-        losses.append(loss.item() / sampler["num_replicas"])
+        part, loss = _replica_step(fabric, model, batch)
+        losses.append(loss)
         optimizer.step()
         optimizer.zero_grad()
     placements = {n: describe_placements(param) for n, param in unwrap(model).named_parameters()}
@@ -149,13 +161,6 @@ MOE_LR = 0.5
 
 def moe() -> torch.nn.Module:
     return tiny_model("qwen3_moe", num_hidden_layers=4, tie_word_embeddings=False)
-
-
-def _pipeline_step(fabric: Any, model: Any, optimizer: Any, batch: torch.Tensor) -> float:
-    loss = fabric.strategy.pipeline_step(model, batch, target=batch, loss_fn=lm_loss).item()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss
 
 
 def _stages(schedule: Any) -> List[Any]:
@@ -222,15 +227,7 @@ def test_each_stage_splits_its_projections_over_the_tensor_parallel_ranks_by_the
 
 def test_an_evaluation_between_steps_leaves_the_stages_resharded(results: list) -> None:
     """One process, SGD at lr 0.5 (a stale gathered copy would show in the second loss): the same two losses."""
-    model = llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    expected = []
-    for batch in batches()[:STEPS]:
-        loss = lm_loss(model(batch), batch)
-        loss.backward()
-        expected.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+    expected = sgd_in_one_process(llama(), lr=0.5)
     for result in results:
         assert result["evaluation_between"]["losses"] == pytest.approx(expected, abs=1e-5)
     assert all(kept == 0 for result in results for kept in result["evaluation_between"]["kept_outputs"])
@@ -264,14 +261,7 @@ def test_a_checkpoint_moves_from_pp2_tp2_to_fsdp4_and_back_and_exports_one_folde
 
 def test_moe_stages_with_their_experts_split_over_each_stages_ranks_train_as_one_process(results: list) -> None:
     model = moe()
-    optimizer = torch.optim.SGD(model.parameters(), lr=MOE_LR)
-    losses = []
-    for batch in batches()[:STEPS]:
-        loss = lm_loss(model(batch), batch)
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+    losses = sgd_in_one_process(model, MOE_LR)
     for result in results:
         assert result["expert_parallel_stages"]["losses"] == pytest.approx(losses, abs=1e-5)
     stages = merged([results[0], results[2]], "expert_parallel_stages", "params")

@@ -126,6 +126,19 @@ def _step(fabric: Any, model: nn.Module, optimizer: Any, batch: torch.Tensor) ->
     return loss
 
 
+def sgd_in_one_process(model: nn.Module, lr: float) -> List[float]:
+    """The reference: ``model`` trained in one process on the whole batches, SGD at ``lr``; its losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for batch in batches()[:STEPS]:
+        loss = lm_loss(model(batch), batch)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
 DECODERS = {
     "mistral": {"sliding_window": 4},  # a window shorter than the rows
     "gemma3_text": {"sliding_window": 4, "final_logit_softcapping": 30.0},
@@ -400,14 +413,7 @@ def test_a_decoder_unlike_llama_trains_in_two_stages_as_one_process(results: lis
     own forward, so SGD steps at a large rate move every param as one process's do."""
     model = decoder(model_type)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-    losses = []
-    for batch in batches()[:STEPS]:
-        loss = lm_loss(model(batch), batch)
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-        optimizer.zero_grad()
+    losses = sgd_in_one_process(model, SGD_LR)
     for result in results:
         assert result["decoders"][model_type]["losses"] == pytest.approx(losses, abs=1e-5)
     params = merged(results, "decoders", model_type, "params")
