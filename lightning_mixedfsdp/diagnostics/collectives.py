@@ -91,29 +91,37 @@ def checking_collective_backends(strict: bool = True) -> Iterator[List[Collectiv
     """Record every collective issued inside (``c10d`` and functional collectives, whoever calls them: FSDP, DTensor,
     the library) with its tensors' device and the backend its group has for that device. ``strict``: a collective
     whose group has no backend for its tensors' device raises an AssertionError naming it, before it runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     records: List[CollectiveBackend] = []
 
-    class Recorder(TorchDispatchMode):
+    def check(func: Any, args: Any, group: Any) -> None:
+        for device in sorted({t.device.type for t in _tensors(args)}):
+            backend = group_backend_for(group, device) if group is not None else None
+            records.append(CollectiveBackend(str(func), device, backend))
+            if strict and group is not None and backend is None:
+                raise AssertionError(
+                    f"{func}: a collective on {device} tensors over a process group with no backend for"
+                    f" {device} ({_backend_name(group)})"
+                )
+
+    with _seeing_collectives(check):
+        yield records
+
+
+@contextmanager
+def _seeing_collectives(see: Callable[[Any, Any, Any], None]) -> Iterator[None]:
+    """``see(op, args, process group)`` before every ``c10d`` and functional collective issued inside (whoever calls
+    it: FSDP, DTensor, the library; the group None where the op carries none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seer(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             namespace = getattr(func, "namespace", "")
             if namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "_wrap")):
-                group = collective_process_group(list(args) + list((kwargs or {}).values()))
-                devices = {t.device.type for t in _tensors(args)}
-                for device in sorted(devices):
-                    backend = group_backend_for(group, device) if group is not None else None
-                    record = CollectiveBackend(str(func), device, backend)
-                    records.append(record)
-                    if strict and group is not None and backend is None:
-                        raise AssertionError(
-                            f"{func}: a collective on {device} tensors over a process group with no backend for"
-                            f" {device} ({_backend_name(group)})"
-                        )
+                see(func, args, collective_process_group(list(args) + list((kwargs or {}).values())))
             return func(*args, **(kwargs or {}))
 
-    with Recorder():
-        yield records
+    with Seer():
+        yield
 
 
 @dataclass(frozen=True)
@@ -131,21 +139,14 @@ class GroupTraffic:
 def recording_group_traffic() -> Iterator[List[GroupTraffic]]:
     """Record every c10d op issued inside (FSDP's, DTensor's, the pipeline runner's sends, the library's), with its
     group and the bytes this rank sends for it (:class:`GroupTraffic`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     records: List[GroupTraffic] = []
 
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            namespace = getattr(func, "namespace", "")
-            if namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(("wait", "_wrap")):
-                group = collective_process_group(list(args) + list((kwargs or {}).values()))
-                if group is not None:
-                    largest = max((t.numel() * t.element_size() for t in _tensors(args)), default=0)
-                    records.append(GroupTraffic(group, func.__name__, _ring_share(func.__name__, largest, group)))
-            return func(*args, **(kwargs or {}))
+    def record(func: Any, args: Any, group: Any) -> None:
+        if group is not None:
+            largest = max((t.numel() * t.element_size() for t in _tensors(args)), default=0)
+            records.append(GroupTraffic(group, func.__name__, _ring_share(func.__name__, largest, group)))
 
-    with Recorder():
+    with _seeing_collectives(record):
         yield records
 
 
