@@ -199,7 +199,6 @@ class ProbeResult(NamedTuple):
 def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage]) -> ProbeResult:
     """Run a probe through ``model``'s own forward and through every stage's forward in order (the model still whole,
     in eval mode, no grad; every module's mode and the block list restored after), and compare."""
-    import torch
 
     params = list(model.parameters())
     if not params or any(p.is_meta for p in params):
@@ -211,33 +210,33 @@ def composed_stage_gap(model: nn.Module, layout: BlockLayout, stages: Sequence[S
         return ProbeResult(None, "its first module takes neither token ids (nn.Embedding) nor features (nn.Linear)")
     modes = {module: module.training for module in model.modules()}
     model.eval()
+    try:
+        return _compare_on_probe(model, layout, stages, probe)
+    finally:
+        for module, training in modes.items():
+            module.training = training
+
+
+def _compare_on_probe(model: nn.Module, layout: BlockLayout, stages: Sequence[Stage], probe: Tensor) -> ProbeResult:
+    import torch
+
     outputs: Dict[int, int] = {}
     try:
         with torch.no_grad(), _counting_outputs(model, layout, outputs):
             expected = _output_tensor(model(probe))
     except Exception as error:  # noqa: BLE001  # a probe the model does not take: nothing is known, said so
-        _restore_modes(modes)
         return ProbeResult(None, f"its forward raised on a probe of shape {tuple(probe.shape)}: {error!r}")
     if expected is None:
-        _restore_modes(modes)
         return ProbeResult(None, "its forward returns no tensor (nor an output with logits)")
+    run, hidden, running = _stage_runner(layout), probe, stages[0].index
     try:
-        running = stages[0].index
         with torch.no_grad(), _stage_blocks_installed(model, layout, outputs):
-            hidden = probe
             for stage in stages:
                 running = stage.index
-                hidden = _stage_runner(layout)(model, stage, hidden)
+                hidden = run(model, stage, hidden)
     except Exception as error:  # noqa: BLE001  # the stages cannot run what the forward runs: refused with it
         return ProbeResult(float("inf"), f"stage {running} raised {error!r}", outputs)
-    finally:
-        _restore_modes(modes)
     return ProbeResult(_relative_gap(expected, hidden), "", outputs)
-
-
-def _restore_modes(modes: Dict[nn.Module, bool]) -> None:
-    for module, training in modes.items():
-        module.training = training
 
 
 def _relative_gap(expected: Tensor, got: Tensor) -> float:
