@@ -30,19 +30,21 @@ class TiedAcrossStages:
         pipeline dim first. Every rank calls it (the groups are made by all), before any step."""
         import torch.distributed as dist
 
-        if not pairs or (first and last):  # no tie, or one rank holds both stages: the one Parameter still
+        if not pairs:  # the same on every rank (the same model): no rank makes a group
             return cls([], None, [])
         group = None
         me = dist.get_rank()
         flat = ranks.reshape(ranks.shape[0], -1)
         for first_rank, last_rank in zip(flat[0].tolist(), flat[-1].tolist(), strict=True):
-            made = dist.new_group([first_rank, last_rank])
+            made = dist.new_group([first_rank, last_rank])  # every rank makes every group, in the same order
             if me in (first_rank, last_rank):
                 group = made
+        if first == last:  # a middle stage, or both stages on this rank: the one Parameter still
+            return cls([], None, [])
         named: Dict[str, Tensor] = dict(module.named_parameters(remove_duplicate=False))
-        names = [first_name if first else last_name for last_name, first_name in pairs] if first or last else []
+        names = [first_name if first else last_name for last_name, first_name in pairs]
         copies = [last_name for last_name, _ in pairs] if last else []
-        return cls([named[name] for name in names], group if first or last else None, copies)
+        return cls([named[name] for name in names], group, copies)
 
     @torch.no_grad()
     def start_equal(self, first_rank: int) -> None:
