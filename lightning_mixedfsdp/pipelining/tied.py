@@ -4,6 +4,7 @@ equal (the first stage's sent to the last) and stay equal: after each step's bac
 the two ranks (what one process accumulates into the one Parameter), so both ranks take the same optimizer step.
 The last stage's copy is counted once in the gradient norm (not at all on its rank) and not exported."""
 
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,13 +57,14 @@ class TiedAcrossStages:
             return
         for param in self.params:
             local = local_tensor(param)
-            description = torch.tensor([local.numel(), _DTYPES.index(local.dtype)], device=local.device)
+            dtype_code = zlib.crc32(str(local.dtype).encode())  # any dtype, the same code in every process
+            description = torch.tensor([local.numel(), dtype_code], device=local.device)
             both = [torch.empty_like(description) for _ in range(2)]
             dist.all_gather(both, description, group=self.group)  # both ranks compare, both raise alike
             if not torch.equal(both[0], both[1]):
                 raise RuntimeError(
                     "mixed_fsdp2: a tied embedding's two copies differ in size or dtype between the first and the"
-                    f" last pipeline stage ({both[0].tolist()} against {both[1].tolist()}: elements, dtype index);"
+                    f" last pipeline stage ({both[0].tolist()} against {both[1].tolist()}: elements, dtype code);"
                     " give the head and the embedding the same dtype rules, or untie them."
                 )
             dist.broadcast(local, src=first_rank, group=self.group)
@@ -82,6 +84,8 @@ class TiedAcrossStages:
         if self.group is None:
             return
         for param, before in zip(self.params, self._held, strict=True):
+            if not param.requires_grad:  # frozen on both ranks alike (the same model): no grad, no step
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grad = local_tensor(param.grad)
@@ -91,6 +95,3 @@ class TiedAcrossStages:
             if before is not None:
                 grad.add_(before)
         self._held = [None] * len(self.params)
-
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.uint8)

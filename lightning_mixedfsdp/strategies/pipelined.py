@@ -71,10 +71,10 @@ class PipelineMixin:
                 "pipeline_parallel_size > 1 with a `parallelize_fn` is not supported: the stages are sharded by the"
                 " dtype plan; remove `parallelize_fn` (or `configure_model`'s own sharding)."
             )
-        if problems or stages is None:
-            raise ValueError(f"{owner}: " + " ".join(problems))
         layout = block_layout(module, split)
-        assert layout is not None
+        problems += _tied_rounding_problems(module, layout, self._config.dtypes.bf16_updates)
+        if problems or stages is None or layout is None:
+            raise ValueError(f"{owner}: " + " ".join(problems))
         block_outputs = _check_composed_stages(module, layout, stages, owner, self.root_device)
         mesh = self.meshes.pipeline
         assert mesh is not None
@@ -228,6 +228,17 @@ def _check_composed_stages(
             " blocks and the modules after, moving the rest into those modules, or set pipeline_parallel_size=1."
         )
     return probe.block_outputs
+
+
+def _tied_rounding_problems(module: nn.Module, layout: Optional[BlockLayout], rounding: str) -> List[str]:
+    """A tied weight's two copies stay equal only if their updates round alike: random rounding draws per copy."""
+    if layout is None or rounding == "nearest" or not tied_to_head(module, layout):
+        return []
+    return [
+        f"bf16_updates={rounding!r} with a head tied to the embedding under pipeline stages: each stage's copy of"
+        " the tied weight would round its updates with its own random stream and the two would drift apart; use"
+        " bf16_updates='nearest', untie the head, or set pipeline_parallel_size=1."
+    ]
 
 
 def _what_a_stage_runs(layout: BlockLayout) -> str:

@@ -284,6 +284,8 @@ def _refusals(rank: int) -> Dict[str, str]:
     refused("scaled_forward", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(ScaledBlocks()))
     capped = ScaledBlocks(scale=1.0, cap=30.0)  # Gemma 2's soft-cap: at a random init's logits of order 1, ~1e-4 off
     refused("soft_capped", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(capped))
+    stochastic = pipelined(bf16_updates="stochastic")
+    refused("tied_stochastic", lambda: make_fabric(WORLD, "bf16-true", stochastic).setup(tied()))
     scaled_inputs = llama()
     scaled_inputs.model.__class__ = ScaledInputsLlama
     refused("scaled_inputs_embeds", lambda: make_fabric(WORLD, "32-true", pipelined()).setup(scaled_inputs))
@@ -558,6 +560,9 @@ REFUSALS = {
     " not compute what ScaledBlocks.forward computes",
     "soft_capped": "ValueError: MixedFSDP2Strategy (ScaledBlocks): ScaledBlocks's pipeline stages, run in order, do"
     " not compute what ScaledBlocks.forward computes",
+    "tied_stochastic": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): bf16_updates='stochastic' with a head tied"
+    " to the embedding under pipeline stages: each stage's copy of the tied weight would round its updates with its"
+    " own random stream",
     "scaled_inputs_embeds": "ValueError: MixedFSDP2Strategy (LlamaForCausalLM): LlamaForCausalLM's pipeline stages,"
     " run in order, do not compute what LlamaForCausalLM.forward computes (on a probe their output is",
 }
